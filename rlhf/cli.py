@@ -1,0 +1,92 @@
+"""`rlhf <stage> [key=value ...]`: run one pipeline stage with params.yaml (+ profile, + overrides).
+
+Examples:
+  rlhf prepare                                  # default profile from params.yaml
+  rlhf --profile ci gold
+  rlhf train --trainer ppo train.learning_rate=1e-4
+  rlhf config train.k=4                         # print the resolved configuration
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+
+from rlhf.config import DEFAULT_PARAMS, ConfigError, load_config, save_config
+
+PIPELINE = ("prepare", "gold", "sft", "reward", "train", "generate", "evaluate")
+HELP = {
+    "prepare": "build the prompt/SFT/gold splits of the task under data/prepared",
+    "gold": "fit the gold judge on the human labels; held-out accuracy to data/metrics/gold.json",
+    "sft": "build or load the SFT policy (optionally fine-tune) into data/sft",
+    "reward": "sample pairs from the SFT policy, label them with gold, train the proxy reward model",
+    "train": "online RL with a trainer preset (--trainer NAME)",
+    "generate": "near-greedy generations of the trained and SFT policies on the eval prompts",
+    "evaluate": "gold win-rates, KL to the SFT policy and proxy reward of the generations",
+}
+
+
+def available_stages() -> list[str]:
+    """Stages whose module exists; a stage that isn't built yet is absent rather than pretending to work."""
+    return [s for s in PIPELINE if importlib.util.find_spec(f"rlhf.stages.{s}") is not None]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", default=str(DEFAULT_PARAMS), help="params file (default: params.yaml)")
+    parser.add_argument("--profile", default=None, help="profile in params.yaml (default: its `profile` key)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for stage in available_stages():
+        p = sub.add_parser(stage, help=HELP[stage])
+        if stage == "train":
+            p.add_argument("--trainer", default=None, help="preset name (same as train.trainer=NAME)")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="override a params.yaml key")
+    p = sub.add_parser("config", help="print the resolved configuration as YAML")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    sub.add_parser("profiles", help="list the profiles in params.yaml")
+    sub.add_parser("report", help="print the final metrics of the pipeline as a table")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rlhf import runtime
+
+    runtime.configure()
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "profiles":
+            from rlhf.config import profiles
+
+            print("\n".join(profiles(args.params)))
+            return 0
+        if args.command == "report":
+            from rlhf.report import print_report
+
+            cfg = load_config(args.params, args.profile)
+            return print_report(cfg)
+        overrides = list(args.overrides)
+        if getattr(args, "trainer", None):
+            overrides.append(f"train.trainer={args.trainer}")
+        cfg = load_config(args.params, args.profile, overrides)
+        if args.command == "config":
+            save_config(cfg, "/dev/stdout")
+            return 0
+        importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError, ImportError, OSError) as e:
+        # Known failure modes carry a message naming the key/file; tracebacks only on request.
+        if os.environ.get("RLHF_DEBUG"):
+            traceback.print_exc()
+        print(f"rlhf {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Typed configuration for every stage, loaded from params.yaml.
+
+Resolution order (later wins): field defaults below -> `profiles.<profile>` in params.yaml -> the top-level
+sections of params.yaml -> `key=value` overrides from the command line. params.yaml is the single source of
+truth; the command line only overrides it. Unknown keys, wrong types and impossible values fail at load time
+with a message naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SECTIONS = ("data", "gold", "model", "sft", "reward", "train", "eval", "tracking")
+DEFAULT_PARAMS = Path("params.yaml")
+
+
+class ConfigError(ValueError):
+    """A params.yaml / override problem; the message names the key or file."""
+
+
+class _Section(BaseModel):
+    # strict: "8" is not an int and 2.5 is not an int; an int is still accepted where a float is expected.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class DataConfig(_Section):
+    """Stage `prepare`: where prompts, references and labelled texts come from, and how they are split."""
+
+    source: Literal["reviews", "tldr"] = Field("reviews", description="reviews = offline movie-reviews task; tldr = the paper's hub datasets (GPU users)")
+    reviews_csv: str | None = Field(None, description="CSV with text,label,source columns; null = the one in the movie-reviews package")
+    prompt_words: int = Field(8, gt=0, description="opening words of a review that form the prompt")
+    reference_words: int = Field(24, gt=0, description="words of the real continuation kept as the reference")
+    sft_words: int = Field(48, gt=0, description="words of each review used as an SFT text")
+    n_sft: int = Field(20000, gt=0, description="SFT texts")
+    n_reward_prompts: int = Field(2048, gt=0, description="prompts whose sampled pairs train the proxy reward model")
+    n_rl_prompts: int = Field(4096, gt=0, description="prompts for online RL")
+    n_eval_prompts: int = Field(256, gt=0, description="held-out prompts for generate/evaluate")
+    gold_test_fraction: float = Field(0.1, gt=0, lt=1, description="labelled texts held out to measure the gold judge")
+    max_gold_texts: int | None = Field(None, gt=0, description="cap on labelled texts for the gold judge (null = all)")
+    tldr_prompts_dataset: str = Field("vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144", description="hub id of the TL;DR prompts (source=tldr)")
+    tldr_pairs_dataset: str = Field("mnoukhov/summarize_from_feedback_oai_preprocessing_1706381144", description="hub id of the TL;DR human preference pairs (source=tldr)")
+
+
+class GoldConfig(_Section):
+    """Stage `gold`: the judge that plays the paper's gold reward model (independent of every policy/RM)."""
+
+    ngram_max: int = Field(2, ge=1, le=3, description="TF-IDF word n-grams 1..ngram_max")
+    min_df: int = Field(2, ge=1, description="drop n-grams seen in fewer texts")
+    c: float = Field(4.0, gt=0, description="inverse L2 strength of the logistic regression")
+    repetition_floor: float = Field(0.6, gt=0, le=1, description="distinct-token ratio below which the score is scaled down")
+
+
+class ModelConfig(_Section):
+    """The SFT starting point: where the policy comes from and, for `tiny`, its size."""
+
+    source: Literal["tiny", "local", "hub", "smollm2"] = Field("tiny", description="tiny = small model trained from scratch; local folder; hub id (GPU users); packaged SmolLM2-135M-Instruct")
+    path: str | None = Field(None, description="folder (source=local) or hub id (source=hub)")
+    architecture: Literal["llama", "gpt_neox"] = Field("llama", description="tiny model family")
+    vocab_size: int = Field(4096, ge=64, description="tiny: word-level tokenizer size trained on the review text")
+    hidden_size: int = Field(128, gt=0)
+    num_layers: int = Field(4, gt=0)
+    num_heads: int = Field(4, gt=0)
+    intermediate_size: int = Field(384, gt=0)
+    max_position_embeddings: int = Field(128, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.source in ("local", "hub") and not self.path:
+            raise ValueError(f"model.path is required when model.source={self.source}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
+        return self
+
+
+class SFTConfig(_Section):
+    """Stage `sft`: optional causal-LM fine-tuning on review text (the tiny profile trains from scratch)."""
+
+    train: bool = Field(True, description="false = use the loaded checkpoint as the SFT policy unchanged")
+    epochs: float = Field(1.0, gt=0, description="passes over data.n_sft texts")
+    batch_size: int = Field(32, gt=0)
+    learning_rate: float = Field(3e-3, gt=0)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    max_length: int = Field(64, gt=0, description="tokens per SFT text")
+
+
+class RewardConfig(_Section):
+    """Stage `reward`: pairs sampled from the SFT policy, labelled by gold, a Bradley-Terry proxy RM."""
+
+    temperature: float = Field(1.0, gt=0, description="sampling temperature of the pairs")
+    response_length: int = Field(24, gt=0, description="new tokens per sampled response")
+    epochs: float = Field(2.0, gt=0)
+    batch_size: int = Field(32, gt=0, description="pairs per optimizer step")
+    learning_rate: float = Field(1e-3, gt=0)
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="pairs held out to measure agreement with gold")
+    min_gold_margin: float = Field(0.0, ge=0, description="drop pairs whose gold scores differ by less")
+
+
+class TrainConfig(_Section):
+    """Stage `train`: the online RL loop. Units: one episode = one prompt (each prompt gets k samples)."""
+
+    trainer: Literal["ppo", "rloo", "online_dpo", "online_dpo_single_vllm", "online_dpo_vllm", "bok", "grpo"] = Field("online_dpo", description="preset = (algorithm, engine)")
+    engine: Literal["hf", "vllm", "vllm_async"] | None = Field(None, description="override the preset's generation engine")
+    reward: Literal["proxy", "gold"] = Field("proxy", description="what RL optimises; evaluation always uses gold")
+    # --- batch arithmetic (prompts) ---
+    total_episodes: int = Field(2048, gt=0, description="prompts consumed over the run")
+    per_device_train_batch_size: int = Field(8, gt=0, description="P: prompts per micro-batch")
+    gradient_accumulation_steps: int = Field(1, gt=0, description="G: micro-batches per optimizer step")
+    num_mini_batches: int = Field(1, gt=0, description="M: optimizer steps per generated batch (the paper's off-policy N)")
+    num_ppo_epochs: int = Field(1, gt=0, description="E: passes over each generated batch")
+    # --- generation ---
+    k: int = Field(2, gt=0, description="samples per prompt (DPO/BoK use best vs worst of k)")
+    response_length: int = Field(24, gt=0, description="max new tokens per sample")
+    temperature: float = Field(0.7, gt=0)
+    non_eos_penalty: bool = Field(True, description="replace the score of samples without EOS")
+    penalty_reward_value: float = Field(-1.0, description="score given to samples without EOS")
+    max_staleness: int = Field(1, ge=0, description="async: how many updates old a batch's weights may be")
+    # --- optimisation ---
+    learning_rate: float = Field(3e-4, gt=0)
+    lr_scheduler: Literal["linear", "cosine", "constant"] = Field("linear")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    # --- algorithm ---
+    kl_coef: float = Field(0.05, ge=0, description="beta_KL of the per-token/sequence KL penalty (PPO, RLOO, GRPO)")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="estimator used in the penalty and objective/kl")
+    beta: float = Field(0.1, gt=0, description="DPO/IPO beta")
+    loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="online DPO loss")
+    cliprange: float = Field(0.2, gt=0)
+    cliprange_value: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.1, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_rewards: bool = Field(False)
+    # --- checkpoints ---
+    save_every: int = Field(0, ge=0, description="checkpoint every N generated batches (0 = only at the end)")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        if self.total_episodes % batch:
+            raise ValueError(
+                f"train.total_episodes ({self.total_episodes}) must be divisible by the prompts per batch "
+                f"P*G*M = {self.per_device_train_batch_size}*{self.gradient_accumulation_steps}*{self.num_mini_batches} = {batch}"
+            )
+        if self.trainer in ("online_dpo", "online_dpo_single_vllm", "online_dpo_vllm", "bok", "rloo", "grpo") and self.k < 2:
+            raise ValueError(f"train.k must be >= 2 for trainer {self.trainer} (it compares samples of one prompt)")
+        return self
+
+
+class EvalConfig(_Section):
+    """Stages `generate` and `evaluate`."""
+
+    temperature: float = Field(0.01, gt=0, description="near-greedy, as the paper's evaluation")
+    max_new_tokens: int = Field(24, gt=0)
+    batch_size: int = Field(64, gt=0)
+
+
+class TrackingConfig(_Section):
+    """W&B and progress output."""
+
+    wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="online needs WANDB_API_KEY")
+    wandb_project: str = Field("asyncrlhf")
+    log_every: int = Field(1, gt=0, description="log metrics every N generated batches")
+
+
+class Config(_Section):
+    """The resolved configuration of one run."""
+
+    profile: str
+    seed: int = Field(1234, description="one seed for every stage")
+    data_dir: str = Field("data", description="root of all stage outputs (DVC outs)")
+    data: DataConfig = DataConfig()
+    gold: GoldConfig = GoldConfig()
+    model: ModelConfig = ModelConfig()
+    sft: SFTConfig = SFTConfig()
+    reward: RewardConfig = RewardConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def path(self, *parts: str) -> Path:
+        """A path under data_dir: the one place stage output locations are derived."""
+        return Path(self.data_dir).joinpath(*parts)
+
+
+# --- loading ---------------------------------------------------------------------------------------------
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.2 floats: PyYAML alone reads `1e-5` (no dot) as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)\.?[0-9]*(?:[eE][-+]?[0-9]+)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$|^[-+]?\.[0-9_]+(?:[eE][-+][0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, origin: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{origin}: malformed YAML: {e}") from None
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _override(raw: dict, item: str) -> dict:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.learning_rate=1e-4)")
+    key, value = item.split("=", 1)
+    parsed = parse_yaml(value, f"override {key}") if value != "" else None
+    nested: Any = parsed
+    for part in reversed(key.strip().split(".")):
+        nested = {part: nested}
+    return _merge(raw, nested)
+
+
+def _format_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(config)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key")
+        else:
+            got = "" if err["type"].startswith("value_error") else f" (got {err.get('input')!r})"
+            lines.append(f"{key}: {err['msg']}{got}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def profiles(params_path: Path | str = DEFAULT_PARAMS) -> list[str]:
+    return sorted(_read_params(Path(params_path)).get("profiles") or {})
+
+
+def _read_params(path: Path) -> dict:
+    if not path.exists():
+        raise ConfigError(f"{path}: params file not found (run from the project root or pass --params)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+    raw = parse_yaml(text, str(path)) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return raw
+
+
+def load_config(params_path: Path | str = DEFAULT_PARAMS, profile: str | None = None, overrides: list[str] = ()) -> Config:
+    """Resolve params.yaml + profile + overrides into a validated Config."""
+    params_path = Path(params_path)
+    raw = _read_params(params_path)
+    all_profiles = raw.pop("profiles", None) or {}
+    name = profile or raw.pop("profile", None) or "tiny"
+    raw.pop("profile", None)
+    if name not in all_profiles:
+        raise ConfigError(f"unknown profile {name!r}; valid profiles in {params_path}: {', '.join(sorted(all_profiles)) or '(none)'}")
+    merged = _merge(all_profiles[name] or {}, raw)
+    for item in overrides:
+        merged = _override(merged, item)
+    merged["profile"] = name
+    try:
+        return Config.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def save_config(cfg: Config, path: Path | str) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), encoding="utf-8")

@@ -1,0 +1,80 @@
+"""Process-wide settings every entry point applies first: offline, quiet, project-local caches, one thread."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("RLHF_CACHE_DIR", PROJECT_ROOT / ".cache"))
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DVC_NO_ANALYTICS": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "DS_ACCELERATOR": "cpu",
+}
+
+CACHE_ENV = {
+    "HF_HOME": "hf",
+    "HF_DATASETS_CACHE": "hf/datasets",
+    "TORCH_EXTENSIONS_DIR": "torch_extensions",
+    "VLLM_CACHE_ROOT": "vllm",
+    "PREFECT_HOME": "prefect",
+    "WANDB_DIR": "wandb",
+    "WANDB_CACHE_DIR": "wandb/cache",
+    "WANDB_CONFIG_DIR": "wandb/config",
+    "TRITON_CACHE_DIR": "triton",
+    "XDG_CACHE_HOME": "xdg",
+    "MPLCONFIGDIR": "matplotlib",
+}
+
+
+def configure() -> None:
+    """Set the offline/quiet environment (without overriding what the user set) and one torch thread.
+
+    GPU users who want the hub unset HF_HUB_OFFLINE before running; online W&B needs WANDB_MODE=online.
+    """
+    for key, value in OFFLINE_ENV.items():
+        os.environ.setdefault(key, value)
+    for key, sub in CACHE_ENV.items():
+        os.environ.setdefault(key, str(CACHE / sub))
+    import torch
+
+    # Two threads per worker are many times slower on the 2-core machines than one.
+    torch.set_num_threads(int(os.environ.get("RLHF_TORCH_THREADS", "1")))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m rlhf.runtime CMD ...`: run CMD in the configured environment (used by the Makefile).
+
+    With no CMD, print the environment as `export` lines (`eval "$(python -m rlhf.runtime)"`).
+    """
+    import shlex
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    configure()
+    venv_bin = str(Path(sys.executable).parent)
+    os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    if not argv:
+        for key in [*OFFLINE_ENV, *CACHE_ENV, "PATH"]:
+            print(f"export {key}={shlex.quote(os.environ[key])}")
+        return
+    os.execvp(argv[0], argv)
+
+
+if __name__ == "__main__":
+    main()

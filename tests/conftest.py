@@ -1,0 +1,9 @@
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rlhf import runtime  # noqa: E402
+
+runtime.configure()
