@@ -87,6 +87,7 @@ class SFTConfig(_Section):
     learning_rate: float = Field(3e-3, gt=0)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     max_length: int = Field(64, gt=0, description="tokens per SFT text")
+    heldout_texts: int = Field(256, ge=0, description="SFT texts kept out of training to measure held-out loss/perplexity (at most a fifth of them)")
 
 
 class RewardConfig(_Section):

@@ -1,0 +1,116 @@
+"""PPO for language models: KL-shaped token rewards, GAE, clipped policy and value losses.
+
+Source: Schulman et al. 2017 (PPO), Ziegler et al. 2019 / Huang et al. 2024 "N+ implementation details of
+RLHF with PPO"; original `PPOv2Trainer` (§3.6) with its score off-by-one fixed.
+Shapes: N sequences, T response tokens; masks are bool, True = real response token (EOS included).
+Stats are 0-dim detached float tensors (call `float(v)` to log them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.algorithms.common import first_true_indices, masked_mean
+
+
+def token_rewards(
+    scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token RL reward: -kl_coef * kl on every real token, plus the score on the last real token.
+
+    Source: original §3.6 step 3, but the score lands on the LAST REAL token (the EOS if present, else T-1);
+    the original put it one past the EOS, where the policy never acts.
+    Shapes: scores (N,), kl (N, T), mask (N, T) bool -> rewards (N, T), non_score_reward (N, T); both 0
+    on padding.
+    """
+    non_score_reward = -kl_coef * torch.where(mask, kl, 0.0)
+    # Last True position = T-1 minus the first True of the reversed row (masks are prefixes, but this holds anyway).
+    row_len = mask.size(1)
+    last_real = row_len - 1 - first_true_indices(mask.flip(1))
+    if bool((last_real < 0).any()):
+        raise ValueError("token_rewards: every row of mask needs at least one real token")
+    at_last = torch.arange(row_len, device=mask.device)[None, :] == last_real[:, None]
+    rewards = non_score_reward + torch.where(at_last, scores[:, None].to(non_score_reward.dtype), 0.0)
+    return rewards, non_score_reward
+
+
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over response tokens.
+
+    Source: Schulman et al. 2016; original §3.6 step 5 (whitening is left to the caller:
+    `common.masked_whiten(advantages, mask)`, as the original does).
+        delta_t = r_t + gamma * V_{t+1} - V_t      (V after the last real token is 0: the episode ended)
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        G_t     = A_t + V_t
+    Call with detached tensors. Shapes: rewards, values (N, T), mask (N, T) bool -> advantages (N, T),
+    returns (N, T); both 0 on padding, and padded rewards/values are never read.
+    """
+    rewards = torch.where(mask, rewards, 0.0)
+    values = torch.where(mask, values, 0.0)  # so V_{t+1} = 0 just past the last real token
+    row_len = rewards.size(1)
+    next_value = torch.zeros_like(values[:, 0])
+    next_advantage = torch.zeros_like(values[:, 0])
+    advantages_reversed = []
+    for t in reversed(range(row_len)):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        # A padded position contributes nothing and passes nothing back to earlier tokens.
+        advantage = torch.where(mask[:, t], advantage, 0.0)
+        advantages_reversed.append(advantage)
+        next_value, next_advantage = values[:, t], advantage
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = torch.where(mask, advantages + values, 0.0)
+    return advantages, returns
+
+
+def policy_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level PPO clipped surrogate: masked mean of max(-A * r, -A * clip(r, 1-eps, 1+eps)).
+
+    Source: Schulman et al. 2017; original §3.6 step 6 (`L_pg`); TRL/cleanrl `pg_losses`, `pg_losses2`.
+    r = exp(logp - old_logp) per token. Stats: clipfrac (fraction of real tokens where the clipped term is
+    the max), approxkl = 0.5 * masked_mean((logp - old_logp)^2), ratio = masked mean of r.
+    Shapes: logp, old_logp, advantages (N, T), mask (N, T) bool -> scalar loss, stats.
+    """
+    # Zero padded inputs first: garbage (even inf/NaN) there can then reach neither the loss nor its gradient.
+    log_ratio = torch.where(mask, logp, 0.0) - torch.where(mask, old_logp, 0.0)
+    advantages = torch.where(mask, advantages, 0.0)
+    ratio = torch.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.maximum(pg_losses, pg_losses_clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((pg_losses_clipped > pg_losses).to(ratio.dtype), mask),
+            "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss: 0.5 * masked_mean(max((V - G)^2, (clip(V, V_old - eps, V_old + eps) - G)^2)).
+
+    Source: original §3.6 step 6 (`L_v`), averaged over real tokens only (the original also trained the
+    value one past the EOS). Stats: clipfrac (fraction of real tokens where the clipped term is the max).
+    Shapes: values, old_values, returns (N, T), mask (N, T) bool -> scalar loss, stats.
+    """
+    values = torch.where(mask, values, 0.0)
+    old_values = torch.where(mask, old_values, 0.0)
+    returns = torch.where(mask, returns, 0.0)
+    values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    vf_losses = (values - returns) ** 2
+    vf_losses_clipped = (values_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(vf_losses, vf_losses_clipped), mask)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((vf_losses_clipped > vf_losses).to(values.dtype), mask)}
+    return loss, stats

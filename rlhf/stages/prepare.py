@@ -1,0 +1,60 @@
+"""Stage `prepare`: build every split of the task, validate each with its schema, save them reproducibly.
+
+Outputs: data/prepared (a DatasetDict folder, see rlhf.data.splits for the split names and schemas) and
+data/metrics/prepare.json (split sizes, sentiment balance). Same inputs -> byte-identical outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pandas as pd
+
+from rlhf.config import Config
+from rlhf.data.schemas import validate
+from rlhf.data.splits import SPLIT_SCHEMAS, save_splits
+from rlhf.io import write_json
+
+
+def _reviews_splits(cfg: Config) -> tuple[dict[str, pd.DataFrame], dict]:
+    from rlhf.data import reviews
+
+    path = reviews.reviews_csv(cfg.data)
+    raw = reviews.read_reviews(path)
+    splits = reviews.build_splits(raw, cfg.data, cfg.seed)
+    # Prompts keep the review id, so the sentiment of the review each prompt opens can be reported:
+    # RL should make continuations positive starting from a mix, not from already-positive openings.
+    positive = {name: reviews.positive_fraction(raw, splits[name]["prompt_id"]) for name in ("reward_prompts", "rl_prompts", "eval_prompts")}
+    # name + content hash, not the absolute path: the metrics file must not change from machine to machine
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    info = {"source_file": f"{path.name} (sha256 {digest})", "reviews_after_cleaning": len(raw), "prompt_source_positive_fraction": positive}
+    return splits, info
+
+
+def _tldr_splits(cfg: Config) -> tuple[dict[str, pd.DataFrame], dict]:
+    from rlhf.data import tldr
+
+    splits = tldr.load_splits(cfg.data, cfg.seed)
+    return splits, {"source_datasets": [cfg.data.tldr_prompts_dataset, cfg.data.tldr_pairs_dataset]}
+
+
+def run(cfg: Config) -> dict:
+    """Build, validate and save the splits; returns (and writes) the prepare metrics."""
+    splits, info = _reviews_splits(cfg) if cfg.data.source == "reviews" else _tldr_splits(cfg)
+    for name, schema in SPLIT_SCHEMAS.items():
+        validate(splits[name], schema, f"split {name!r} (built by prepare, data.source={cfg.data.source})")
+    folder = cfg.path("prepared")
+    save_splits(splits, folder)
+    metrics = {
+        "source": cfg.data.source,
+        "split_sizes": {name: len(df) for name, df in splits.items()},
+        "gold_positive_fraction": {name: float(splits[name]["label"].mean()) for name in ("gold_train", "gold_test")},
+        **info,
+    }
+    write_json(cfg.path("metrics", "prepare.json"), metrics)
+    sizes = ", ".join(f"{name} {n}" for name, n in metrics["split_sizes"].items())
+    print(f"prepare: {sizes} -> {folder}")
+    if "prompt_source_positive_fraction" in info:
+        mix = ", ".join(f"{k} {v:.2f}" for k, v in info["prompt_source_positive_fraction"].items())
+        print(f"prepare: positive fraction of the reviews behind the prompts: {mix}")
+    return metrics

@@ -1,0 +1,1 @@
+"""The online loop (loop.py) and the trainer presets (presets.py)."""

@@ -1,0 +1,65 @@
+"""Forward passes over prompt+response sequences: log-probs of the sampled tokens, values, reward scores.
+
+Layout used everywhere: `sequences = [left-padded prompt (C) | response (T)]`, shape (n, C+T). Position ids
+come from the attention mask, so left padding does not shift positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlhf.algorithms.common import entropy_from_logits, logprobs_from_logits
+
+
+def attention_and_positions(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, C) and (n, T) bool masks -> attention mask (n, C+T) long and position ids (n, C+T)."""
+    attn = torch.cat([prompt_mask, response_mask], dim=1).long()
+    positions = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    return attn, positions
+
+
+def response_logits(model: nn.Module, sequences: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, context: int) -> torch.Tensor:
+    """Logits that predict each response token: positions C-1 .. C+T-2. Shape (n, T, V)."""
+    out = model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False)
+    return out.logits[:, context - 1 : -1].float()
+
+
+def response_logprobs(
+    model: nn.Module, sequences: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, context: int, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (n, T) of the sampled response tokens under the tempered policy (and entropy, if asked)."""
+    logits = response_logits(model, sequences, attn, positions, context)
+    logp = logprobs_from_logits(logits, sequences[:, context:], temperature)
+    entropy = entropy_from_logits(logits, temperature) if with_entropy else None
+    return logp, entropy
+
+
+def scalar_head(model: nn.Module, sequences: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-position scalar (n, L) of a sequence-classification model (backbone + `score` head)."""
+    hidden = model.base_model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def sequence_scores(model: nn.Module, sequences: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, context: int, last_index: torch.Tensor) -> torch.Tensor:
+    """Reward-model score read at the last real response token (the EOS when there is one). Shape (n,)."""
+    values = scalar_head(model, sequences, attn, positions)
+    return values[torch.arange(len(values)), context + last_index]
+
+
+class PolicyAndValueWrapper(nn.Module):
+    """Policy + value model as one module, so one optimizer (and one DeepSpeed engine) steps both.
+
+    The value model starts from the reward model (the original's choice). Only the policy is exported.
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache=False):
+        values = scalar_head(self.value_model, input_ids, attention_mask, position_ids)
+        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
+        out.values = values
+        return out

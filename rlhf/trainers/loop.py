@@ -1,0 +1,289 @@
+"""The one online RLHF loop: every trainer is this loop x an objective x a generation engine.
+
+One iteration (numbered as in shared/design/architecture.md):
+  1. next prompt batch  2. completions from the engine  3. truncate at EOS  4. score (+ missing-EOS penalty)
+  5. behaviour/reference log-probs (+ values)  6. objective.prepare  7. M mini-batches x E epochs of updates
+  8. weight sync to the engine (versioned)  9. metrics, checkpoint
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, set_seed
+from tqdm import tqdm
+from transformers import get_scheduler
+
+from rlhf.algorithms.common import apply_missing_eos_penalty, logprobs_from_logits, truncate_after_eos
+from rlhf.config import Config, TrainConfig
+from rlhf.generation.base import SamplingParams, pad_left
+from rlhf.trainers import checkpoint
+from rlhf.trainers.forward import PolicyAndValueWrapper, attention_and_positions, response_logprobs
+from rlhf.trainers.objectives import OBJECTIVES, Rollout
+from rlhf.trainers.presets import resolve
+from rlhf.tracking import Tracker
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Batch arithmetic, in prompts, computed once. W = training processes."""
+
+    world: int
+    local_batch: int  # P*G*M prompts per rank per generated batch
+    batch: int  # local_batch * W
+    num_batches: int  # total_episodes / batch
+    num_updates: int  # optimizer steps over the run: num_batches * M * E
+
+    @classmethod
+    def derive(cls, c: TrainConfig, world: int) -> Sizes:
+        local = c.per_device_train_batch_size * c.gradient_accumulation_steps * c.num_mini_batches
+        num_batches = exact_div(c.total_episodes, local * world, "train.total_episodes / (P*G*M*processes)")
+        return cls(world, local, local * world, num_batches, num_batches * c.num_mini_batches * c.num_ppo_epochs)
+
+
+def _setup_accelerator(c: TrainConfig) -> Accelerator:
+    # On CPU, accelerate needs gloo spelled out or it believes there is one process (platform.md).
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    kwargs = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
+    acc = Accelerator(gradient_accumulation_steps=c.gradient_accumulation_steps, kwargs_handlers=kwargs)
+    plugin = acc.state.deepspeed_plugin
+    if plugin is not None:
+        ds = plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = c.per_device_train_batch_size
+        ds["gradient_accumulation_steps"] = c.gradient_accumulation_steps
+        ds["gradient_clipping"] = c.max_grad_norm
+        ds["zero_allow_untested_optimizer"] = True  # a torch AdamW: no DeepSpeed Adam build needed
+        ds["train_batch_size"] = c.per_device_train_batch_size * c.gradient_accumulation_steps * acc.num_processes
+    return acc
+
+
+def _setup_models(cfg: Config, needs_values: bool):
+    from rlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.path("sft"))
+    policy = load_causal_lm(cfg.path("sft"))
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    value = load_reward_model(cfg.path("reward", "model")) if needs_values else None
+    return tokenizer, policy, ref, value
+
+
+def _setup_reward(cfg: Config):
+    from rlhf.rewards.proxy import GoldReward, ProxyReward
+
+    if cfg.train.reward == "gold":
+        return GoldReward(_gold_judge(cfg, required=True))
+    from rlhf.models.loading import load_reward_model
+
+    return ProxyReward(load_reward_model(cfg.path("reward", "model")).requires_grad_(False))
+
+
+def _gold_judge(cfg: Config, required: bool = False):
+    from rlhf.rewards.gold import GoldJudge
+
+    if not required and not cfg.path("gold").exists():
+        return None
+    return GoldJudge.load(cfg.path("gold"))
+
+
+def _setup_engine(name: str, cfg: Config, model, tokenizer):
+    if name == "hf":
+        from rlhf.generation.hf import HFEngine
+
+        return HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    raise NotImplementedError(f"train.engine={name}: the vLLM engines are not available yet (only `hf` is); set train.engine=hf or pick an HF trainer")
+
+
+def _setup_prompts(cfg: Config, tokenizer) -> list[list[int]]:
+    from rlhf.data.schemas import Prompts
+    from rlhf.data.splits import load_split
+
+    df = load_split(cfg.path("prepared"), "rl_prompts", Prompts)
+    ids = tokenizer(list(df["prompt"]), add_special_tokens=True)["input_ids"]
+    room = cfg.model.max_position_embeddings - cfg.train.response_length if cfg.model.source == "tiny" else None
+    kept = [p for p in ids if 0 < len(p) and (room is None or len(p) <= room)]
+    if not kept:
+        raise ValueError(f"rl_prompts: no prompt fits the context ({room} tokens left after train.response_length)")
+    return kept
+
+
+def batch_prompts(prompts: list[list[int]], t: int, sizes: Sizes, rank: int, seed: int) -> list[list[int]]:
+    """This rank's prompts of generated batch t: a pure function of t, so resume needs no dataloader state."""
+    out = []
+    for i in range(t * sizes.batch + rank * sizes.local_batch, t * sizes.batch + (rank + 1) * sizes.local_batch):
+        epoch, j = divmod(i, len(prompts))
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(prompts[order[j]])
+    return out
+
+
+@torch.no_grad()
+def _forward_batch(model, ref, sequences, attn, positions, context, temperature, needs_values, chunk=64):
+    """Behaviour log-probs (with the same forward as training, so the on-policy ratio is exactly 1), reference
+    log-probs and, for PPO, values. Shapes (N, T)."""
+    logps, refs, values = [], [], []
+    for i in range(0, len(sequences), chunk):
+        s = slice(i, i + chunk)
+        if needs_values:
+            out = model(input_ids=sequences[s], attention_mask=attn[s], position_ids=positions[s])
+            logps.append(logprobs_from_logits(out.logits[:, context - 1 : -1].float(), sequences[s, context:], temperature))
+            values.append(out.values[:, context - 1 : -1])
+        else:
+            logps.append(response_logprobs(model, sequences[s], attn[s], positions[s], context, temperature)[0])
+        refs.append(response_logprobs(ref, sequences[s], attn[s], positions[s], context, temperature)[0])
+    return torch.cat(logps), torch.cat(refs), (torch.cat(values) if needs_values else None)
+
+
+def _mean_stats(rows: list[dict]) -> dict[str, float]:
+    keys = {k for r in rows for k in r}
+    return {k: sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r) for k in keys}
+
+
+def train(cfg: Config) -> dict:
+    c = cfg.train
+    acc = _setup_accelerator(c)
+    sizes = Sizes.derive(c, acc.num_processes)
+    set_seed(cfg.seed + acc.process_index)
+    algorithm, engine_name = resolve(c.trainer, c.engine)
+    objective = OBJECTIVES[algorithm](c)
+
+    tokenizer, policy, ref, value = _setup_models(cfg, objective.needs_values)
+    reward_fn = _setup_reward(cfg)
+    gold = _gold_judge(cfg)
+    model = PolicyAndValueWrapper(policy, value) if objective.needs_values else policy
+    optimizer = torch.optim.AdamW(model.parameters(), lr=c.learning_rate, eps=1e-8, weight_decay=0.0)
+    scheduler = get_scheduler(c.lr_scheduler, optimizer, num_warmup_steps=int(c.warmup_ratio * sizes.num_updates), num_training_steps=sizes.num_updates)
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    unwrapped_policy = lambda: acc.unwrap_model(model).policy if objective.needs_values else acc.unwrap_model(model)  # noqa: E731
+    engine = _setup_engine(engine_name, cfg, unwrapped_policy(), tokenizer)
+    prompts = _setup_prompts(cfg, tokenizer)
+
+    ckpt_dir = cfg.path("train", "checkpoints")
+    state = checkpoint.LoopState()
+    if (last := checkpoint.latest(ckpt_dir)) is not None:
+        state = checkpoint.load(acc, last)
+        acc.print(f"resumed from {last} (batch {state.batch})")
+        engine.load_weights(unwrapped_policy(), state.batch)
+    tracker = Tracker(cfg, "train", enabled=acc.is_main_process)
+    params = SamplingParams(c.k, c.response_length, c.temperature)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    shuffle = torch.Generator().manual_seed(cfg.seed + 7919 * acc.process_index)
+
+    submitted = state.batch
+    bar = tqdm(range(state.batch, sizes.num_batches), desc=f"train {c.trainer}", disable=not acc.is_main_process, initial=state.batch, total=sizes.num_batches)
+    for t in bar:
+        t0 = time.perf_counter()
+        # 1-2. prompts and completions (an async engine may already hold batches generated ahead)
+        while submitted <= min(t + engine.lookahead, sizes.num_batches - 1):
+            engine.submit(batch_prompts(prompts, submitted, sizes, acc.process_index, cfg.seed), params)
+            submitted += 1
+        local = batch_prompts(prompts, t, sizes, acc.process_index, cfg.seed)
+        gen = engine.receive()
+        t_gen = time.perf_counter()
+        # 3. post-process: keep tokens up to the first EOS
+        prompt_ids, prompt_mask = pad_left(local, pad)
+        context = prompt_ids.shape[1]
+        responses, response_mask, has_eos = truncate_after_eos(gen.responses, eos, pad)
+        attn, positions = attention_and_positions(prompt_mask.repeat_interleave(c.k, 0), response_mask)
+        sequences = torch.cat([prompt_ids.repeat_interleave(c.k, 0), responses], dim=1).to(acc.device)
+        attn, positions, response_mask = attn.to(acc.device), positions.to(acc.device), response_mask.to(acc.device)
+        texts = tokenizer.batch_decode(responses.masked_fill(~response_mask.cpu(), pad), skip_special_tokens=True)
+        # 4. score
+        raw_scores = reward_fn(sequences, attn, positions, context, response_mask, texts).to(acc.device)
+        scores = apply_missing_eos_penalty(raw_scores, has_eos.to(acc.device), c.penalty_reward_value) if c.non_eos_penalty else raw_scores
+        t_score = time.perf_counter()
+        # 5. behaviour and reference log-probs, values
+        logp, ref_logp, values = _forward_batch(model, ref, sequences, attn, positions, context, c.temperature, objective.needs_values)
+        logp, ref_logp = logp * response_mask, ref_logp * response_mask
+        rollout = Rollout(sequences, attn, positions, response_mask, scores, logp, ref_logp, values, context, c.k)
+        # 6. the algorithm's view of the batch
+        groups, stats = objective.prepare(rollout)
+        t_ref = time.perf_counter()
+        # 7. M mini-batches x E epochs, G micro-batches of P prompts each
+        model.train()
+        step_stats = []
+        P, G = c.per_device_train_batch_size, c.gradient_accumulation_steps
+        for _ in range(c.num_ppo_epochs):
+            order = torch.randperm(sizes.local_batch, generator=shuffle)
+            for m in range(c.num_mini_batches):
+                for g in range(G):
+                    idx = order[(m * G + g) * P : (m * G + g + 1) * P]
+                    mb = {k: v[idx] for k, v in groups.items()}
+                    with acc.accumulate(model):
+                        loss, s = objective.loss(model, mb)
+                        if not torch.isfinite(loss):
+                            raise RuntimeError(f"loss became {loss.item()} at batch {t} (trainer {c.trainer}); the last good checkpoint in {ckpt_dir} is intact")
+                        acc.backward(loss)
+                        if acc.sync_gradients:
+                            norm = acc.clip_grad_norm_(model.parameters(), c.max_grad_norm)
+                            if norm is not None:
+                                s["policy/grad_norm"] = float(norm)
+                        optimizer.step()
+                        scheduler.step()
+                        optimizer.zero_grad()
+                    step_stats.append(s)
+                state.global_step += 1
+        t_update = time.perf_counter()
+        # 8. the engine samples from the new weights from now on
+        state.batch, state.episode = t + 1, state.episode + sizes.batch
+        engine.load_weights(unwrapped_policy(), state.batch)
+        t_sync = time.perf_counter()
+        # 9. metrics and checkpoints
+        stats.update(_mean_stats(step_stats))
+        stats.update({
+            "objective/scores": scores.mean().item(),
+            "objective/entropy": (-logp).sum(1).mean().item(),
+            "completions/mean_length": response_mask.sum(1).float().mean().item(),
+            "completions/eos_rate": has_eos.float().mean().item(),
+            "async/staleness": float(t - gen.version),
+            "async/weight_version": float(gen.version),
+            "lr": scheduler.get_last_lr()[0],
+        })
+        if gold is not None:
+            stats["objective/gold"] = float(gold.score(texts).mean())
+        reduced = acc.reduce(torch.tensor(list(stats.values()), device=acc.device), reduction="mean").tolist()
+        row = dict(zip(stats.keys(), reduced))
+        row.update({
+            "timing/generation": gen.seconds, "timing/wait": t_gen - t0 - gen.seconds if engine.lookahead else 0.0,
+            "timing/scoring": t_score - t_gen, "timing/reference": t_ref - t_score, "timing/update": t_update - t_ref,
+            "timing/weight_sync": t_sync - t_update, "timing/step": t_sync - t0,
+            "eps": sizes.batch / (t_sync - t0), "train/episode": state.episode, "train/global_step": state.global_step,
+        })
+        if t % cfg.tracking.log_every == 0 or t == sizes.num_batches - 1:
+            tracker.log(row)
+        bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.2f}")
+        if c.save_every and state.batch % c.save_every == 0 and state.batch < sizes.num_batches:
+            checkpoint.save(acc, ckpt_dir, state)
+    engine.close()
+    return _finish(cfg, acc, model, unwrapped_policy(), tokenizer, tracker, state)
+
+
+def _finish(cfg: Config, acc: Accelerator, model, policy, tokenizer, tracker: Tracker, state) -> dict:
+    from rlhf.io import atomic_dir
+
+    full_state = acc.get_state_dict(model)
+    final = {}
+    if acc.is_main_process:
+        if isinstance(acc.unwrap_model(model), PolicyAndValueWrapper):
+            full_state = {k.removeprefix("policy."): v for k, v in full_state.items() if k.startswith("policy.")}
+        with atomic_dir(cfg.path("train", "policy")) as tmp:
+            policy.save_pretrained(tmp, state_dict=full_state, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+        last = tracker.rows[-max(1, len(tracker.rows) // 4) :]  # the last quarter of the run
+        final = {f"final/{k}": v for k, v in _mean_stats(last).items() if not k.startswith(("timing/", "train/"))}
+        final.update({"episodes": state.episode, "optimizer_steps": state.global_step})
+        first = tracker.rows[0] if tracker.rows else {}
+        final.update({f"first/{k}": first[k] for k in ("objective/scores", "objective/gold") if k in first})
+        tracker.finish(final)
+    acc.wait_for_everyone()
+    return final

@@ -1,0 +1,197 @@
+"""How each algorithm turns a scored rollout into a loss: a thin adapter over rlhf/algorithms/*.
+
+Every objective has the same two calls, so the loop never branches on an algorithm's name:
+  prepare(rollout) -> (groups, metrics)   once per generated batch, no grad; `groups` tensors have a
+                                          leading dim B (prompts) so micro-batches are sets of prompts
+  loss(model, mb)  -> (loss, metrics)     once per micro-batch, with grad
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.algorithms import bok, dpo, grpo, ppo, rloo
+from rlhf.algorithms.common import kl_penalty, logprobs_from_logits, masked_mean, masked_whiten
+from rlhf.config import TrainConfig
+from rlhf.trainers.forward import response_logprobs
+
+
+@dataclass
+class Rollout:
+    """One generated batch after post-processing and scoring. N = B*K rows, K samples of a prompt adjacent."""
+
+    sequences: torch.Tensor  # (N, C+T) prompt (left-padded) + response (pad after the first EOS)
+    attn: torch.Tensor  # (N, C+T)
+    positions: torch.Tensor  # (N, C+T)
+    response_mask: torch.Tensor  # (N, T) True on real response tokens, EOS included
+    scores: torch.Tensor  # (N,) reward after the missing-EOS penalty
+    logp: torch.Tensor  # (N, T) behaviour log-probs, recomputed with the training forward (0 on padding)
+    ref_logp: torch.Tensor  # (N, T)
+    values: torch.Tensor | None  # (N, T) PPO only
+    context: int  # C
+    k: int
+
+    def grouped(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Reshape (N, ...) tensors to (B, K, ...) so micro-batches select whole prompts."""
+        base = {"sequences": self.sequences, "attn": self.attn, "positions": self.positions, "mask": self.response_mask}
+        return {name: t.view(-1, self.k, *t.shape[1:]) for name, t in {**base, **tensors}.items()}
+
+
+def _named(prefix: str, stats: dict) -> dict[str, float]:
+    """Algorithm stats (detached 0-dim tensors) -> `prefix/name` floats."""
+    return {f"{prefix}/{k}": float(v) for k, v in stats.items()}
+
+
+def _flat(mb: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
+    return [mb[n].flatten(0, 1) for n in names]
+
+
+def _sequence_stats(r: Rollout, kl: torch.Tensor, cfg: TrainConfig) -> dict[str, float]:
+    seq_kl = (kl * r.response_mask).sum(1)
+    non_score = -cfg.kl_coef * seq_kl
+    return {
+        "objective/kl": seq_kl.mean().item(),
+        "objective/non_score_reward": non_score.mean().item(),
+        "objective/rlhf_reward": (r.scores + non_score).mean().item(),
+    }
+
+
+class PPO:
+    needs_values = True
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def prepare(self, r: Rollout):
+        c = self.cfg
+        kl = kl_penalty(r.logp, r.ref_logp, c.kl_estimator) * r.response_mask
+        rewards, _ = ppo.token_rewards(r.scores, kl, r.response_mask, c.kl_coef)
+        if c.whiten_rewards:
+            rewards = masked_whiten(rewards, r.response_mask, shift_mean=False)
+        advantages, returns = ppo.gae(rewards, r.values, r.response_mask, c.gamma, c.lam)
+        advantages = masked_whiten(advantages, r.response_mask)
+        groups = r.grouped(old_logp=r.logp, old_values=r.values, advantages=advantages, returns=returns)
+        return groups, _sequence_stats(r, kl, c)
+
+    def loss(self, model, mb):
+        seq, attn, pos, mask, old_logp, old_values, adv, ret = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp", "old_values", "advantages", "returns")
+        context = seq.shape[1] - mask.shape[1]
+        out = model(input_ids=seq, attention_mask=attn, position_ids=pos)
+        logits = out.logits[:, context - 1 : -1].float()
+        logp = logprobs_from_logits(logits, seq[:, context:], self.cfg.temperature)
+        values = out.values[:, context - 1 : -1]
+        pg_loss, pg_stats = ppo.policy_loss(logp, old_logp, adv, mask, self.cfg.cliprange)
+        vf_loss, vf_stats = ppo.value_loss(values, old_values, ret, mask, self.cfg.cliprange_value)
+        var_ret = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
+        explained = 1 - masked_mean((ret - values.detach()) ** 2, mask) / (var_ret + 1e-8)
+        stats = _named("policy", pg_stats)
+        stats.update({"loss/policy": pg_loss.item(), "loss/value": vf_loss.item(), "val/clipfrac": float(vf_stats["clipfrac"]), "val/explained_variance": explained.item()})
+        return pg_loss + self.cfg.vf_coef * vf_loss, stats
+
+
+class RLOO:
+    needs_values = False
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def prepare(self, r: Rollout):
+        kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
+        rlhf_reward = r.scores - self.cfg.kl_coef * kl.sum(1)
+        advantages = rloo.rloo_advantages(rlhf_reward, r.k)
+        groups = r.grouped(old_logp_sum=(r.logp * r.response_mask).sum(1), advantages=advantages)
+        return groups, _sequence_stats(r, kl, self.cfg)
+
+    def loss(self, model, mb):
+        seq, attn, pos, mask, old_sum, adv = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp_sum", "advantages")
+        logp, _ = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        loss, stats = rloo.sequence_policy_loss((logp * mask).sum(1), old_sum, adv, self.cfg.cliprange)
+        return loss, {**_named("policy", stats), "loss/policy": loss.item()}
+
+
+class GRPO:
+    needs_values = False
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def prepare(self, r: Rollout):
+        kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
+        advantages = grpo.group_advantages(r.scores, r.k)
+        groups = r.grouped(old_logp=r.logp, ref_logp=r.ref_logp, advantages=advantages)
+        return groups, _sequence_stats(r, kl, self.cfg)
+
+    def loss(self, model, mb):
+        seq, attn, pos, mask, old_logp, ref_logp, adv = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp", "ref_logp", "advantages")
+        logp, _ = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        loss, stats = grpo.grpo_loss(logp, old_logp, ref_logp, adv, mask, self.cfg.cliprange, self.cfg.kl_coef)
+        return loss, {**_named("policy", stats), "loss/policy": loss.item()}
+
+
+def _select(mb: dict[str, torch.Tensor], name: str, index: torch.Tensor) -> torch.Tensor:
+    """Row `index[b]` of group b: (B, K, ...) -> (B, ...)."""
+    t = mb[name]
+    return t[torch.arange(len(t)), index]
+
+
+class OnlineDPO:
+    """Best vs worst of k samples, ranked by reward; ties are dropped (the original trained on them)."""
+
+    needs_values = False
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def prepare(self, r: Rollout):
+        kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
+        chosen, rejected, valid = dpo.select_pairs(r.scores, r.k)
+        ref_sum = (r.ref_logp * r.response_mask).sum(1)
+        # global row index -> index within its group of K
+        groups = r.grouped(ref_sum=ref_sum)
+        groups.update(chosen=chosen % r.k, rejected=rejected % r.k, valid=valid)
+        stats = _sequence_stats(r, kl, self.cfg)
+        stats["objective/scores_margin"] = (r.scores[chosen] - r.scores[rejected]).mean().item()
+        stats["objective/valid_pairs"] = valid.float().mean().item()
+        return groups, stats
+
+    def loss(self, model, mb):
+        pick = {}
+        for side in ("chosen", "rejected"):
+            pick[side] = [_select(mb, n, mb[side]) for n in ("sequences", "attn", "positions", "mask", "ref_sum")]
+        seq, attn, pos, mask, ref = (torch.cat([a, b]) for a, b in zip(pick["chosen"], pick["rejected"]))
+        logp, _ = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        sums = (logp * mask).sum(1)
+        n = len(mb["valid"])
+        loss, stats = dpo.dpo_loss(sums[:n], sums[n:], ref[:n], ref[n:], mb["valid"], self.cfg.beta, self.cfg.loss_type)
+        out = _named("rewards", stats)
+        out.update({"logps/chosen": sums[:n].mean().item(), "logps/rejected": sums[n:].mean().item(), "loss/policy": loss.item()})
+        return loss, out
+
+
+class BestOfK:
+    """SFT on the best of k samples: the paper's control for DPO seeing two samples per prompt."""
+
+    needs_values = False
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+
+    def prepare(self, r: Rollout):
+        kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
+        best, valid = bok.select_best(r.scores, r.k)
+        groups = r.grouped()
+        groups.update(best=best % r.k, valid=valid)
+        stats = _sequence_stats(r, kl, self.cfg)
+        stats["objective/valid_pairs"] = valid.float().mean().item()
+        return groups, stats
+
+    def loss(self, model, mb):
+        seq, attn, pos, mask = (_select(mb, n, mb["best"]) for n in ("sequences", "attn", "positions", "mask"))
+        logp, _ = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        loss, stats = bok.nll_loss(logp, mask, mb["valid"])
+        return loss, {"logps/chosen": (logp * mask).sum(1).mean().item(), "loss/policy": loss.item()}
+
+
+OBJECTIVES = {"ppo": PPO, "rloo": RLOO, "grpo": GRPO, "online_dpo": OnlineDPO, "bok": BestOfK}

