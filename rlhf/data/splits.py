@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pandera.pandas as pa
 import pyarrow as pa_arrow
 
+from rlhf.config import ConfigError
 from rlhf.data.schemas import DataError, EvalPrompts, LabelledTexts, Prompts, SFTExamples, validate
 from rlhf.io import atomic_dir
 
@@ -33,6 +35,13 @@ SPLIT_SCHEMAS: dict[str, type[pa.DataFrameModel]] = {
     "gold_test": LabelledTexts,
 }
 _HINT = "run `rlhf prepare` first"
+
+
+def take_rows(order: np.ndarray, start: int, n: int, field: str, what: str) -> np.ndarray:
+    """order[start:start+n], or a ConfigError naming data.<field> when fewer than n rows are left."""
+    if start + n > len(order):
+        raise ConfigError(f"data.{field}={n}: only {len(order) - start} {what} are left; lower data.{field}")
+    return order[start : start + n]
 
 
 def _table(df: pd.DataFrame) -> pa_arrow.Table:
@@ -51,9 +60,15 @@ def content_fingerprint(table: pa_arrow.Table) -> str:
 
 
 def save_splits(splits: dict[str, pd.DataFrame], folder: Path | str) -> None:
-    """Write `splits` as a DatasetDict to `folder` (replaced atomically). Same frames -> same bytes."""
+    """Write `splits` as a DatasetDict to `folder` (replaced atomically). Same frames -> same bytes.
+
+    An empty frame is refused (DataError naming the split): `datasets` writes it but cannot read it back.
+    """
     import datasets  # heavy; only the stages that touch the disk need it
 
+    for name, df in splits.items():
+        if len(df) == 0:
+            raise DataError(f"split {name!r} is empty (0 rows); not writing {folder}")
     dataset_dict = datasets.DatasetDict()
     for name in sorted(splits):  # sorted: dataset_dict.json lists splits in insertion order
         table = _table(splits[name])
@@ -83,6 +98,6 @@ def load_split(folder: Path | str, name: str, schema: type[pa.DataFrameModel] | 
         raise DataError(f"split {name!r} has no known schema; pass one (known: {', '.join(SPLIT_SCHEMAS)})")
     try:
         df = datasets.Dataset.load_from_disk(str(folder / name)).to_pandas()
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, IndexError) as e:  # IndexError: a split saved with 0 rows
         raise DataError(f"split {name!r} in {folder} is unreadable ({e}); {_HINT}") from None
     return validate(df, schema, f"split {name!r} in {folder}")

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
-from rlhf.config import ConfigError, DataConfig
+from rlhf.config import DataConfig
 from rlhf.data.schemas import DataError
+from rlhf.data.splits import take_rows
 
 if TYPE_CHECKING:
     import datasets
@@ -69,12 +70,6 @@ def _frame(dd: datasets.DatasetDict, split: str, columns: list[str], field: str)
     return dd[split].select_columns(columns).to_pandas()
 
 
-def _take(order: np.ndarray, start: int, n: int, field: str, what: str) -> np.ndarray:
-    if start + n > len(order):
-        raise ConfigError(f"data.{field}={n}: only {len(order) - start} {what} are left; lower data.{field}")
-    return order[start : start + n]
-
-
 def _labelled(pairs: pd.DataFrame) -> pd.DataFrame:
     """(2P, 3) text/label/source from P pairs; texts that occur twice (even with other labels) are dropped."""
     texts = pd.concat([pairs["chosen"], pairs["rejected"]], ignore_index=True).map(strip_eos)
@@ -96,10 +91,10 @@ def build_splits(prompts: datasets.DatasetDict, pairs: datasets.DatasetDict, cfg
     held_out = _frame(prompts, eval_split, ["query", "reference_response"], "tldr_prompts_dataset")
 
     order = rng.permutation(len(train))
-    sft_ids = _take(order, 0, cfg.n_sft, "n_sft", "TL;DR train prompts")
-    reward_ids = _take(order, len(sft_ids), cfg.n_reward_prompts, "n_reward_prompts", "TL;DR train prompts (after sft)")
-    rl_ids = _take(order, len(sft_ids) + len(reward_ids), cfg.n_rl_prompts, "n_rl_prompts", "TL;DR train prompts (after sft, reward)")
-    eval_ids = _take(rng.permutation(len(held_out)), 0, cfg.n_eval_prompts, "n_eval_prompts", f"TL;DR {eval_split} prompts")
+    sft_ids = take_rows(order, 0, cfg.n_sft, "n_sft", "TL;DR train prompts")
+    reward_ids = take_rows(order, len(sft_ids), cfg.n_reward_prompts, "n_reward_prompts", "TL;DR train prompts (after sft)")
+    rl_ids = take_rows(order, len(sft_ids) + len(reward_ids), cfg.n_rl_prompts, "n_rl_prompts", "TL;DR train prompts (after sft, reward)")
+    eval_ids = take_rows(rng.permutation(len(held_out)), 0, cfg.n_eval_prompts, "n_eval_prompts", f"TL;DR {eval_split} prompts")
 
     def prompt_frame(frame: pd.DataFrame, rows: np.ndarray, offset: int) -> pd.DataFrame:
         return pd.DataFrame({"prompt_id": (rows + offset).astype(np.int64), "prompt": frame["query"].iloc[rows].tolist()})

@@ -85,7 +85,7 @@ class GoldJudge:
             raise ValueError(f"GoldJudge.fit: labels must contain both 0 and 1, got {sorted(set(labels.tolist()))}")
         vectorizer = TfidfVectorizer(ngram_range=(1, cfg.ngram_max), min_df=cfg.min_df, dtype=np.float64, **_VECTORIZER)
         features = vectorizer.fit_transform(texts)
-        model = LogisticRegression(C=cfg.c, max_iter=2000, solver="liblinear")  # liblinear: deterministic
+        model = LogisticRegression(C=cfg.c, max_iter=2000, solver="liblinear", random_state=0)  # fixed: same data -> same bytes
         model.fit(features, labels)
         return cls(vectorizer, model.coef_[0].astype(np.float64), float(model.intercept_[0]), cfg.repetition_floor)
 

@@ -58,8 +58,8 @@ class PolicyAndValueWrapper(nn.Module):
         self.policy = policy
         self.value_model = value_model
 
-    def forward(self, input_ids, attention_mask, position_ids, use_cache=False):
+    def forward(self, input_ids, attention_mask, position_ids):
+        """-> (policy logits (n, L, V), values (n, L)); a plain tuple, which DeepSpeed's hooks walk safely."""
         values = scalar_head(self.value_model, input_ids, attention_mask, position_ids)
-        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache)
-        out.values = values
-        return out
+        logits = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+        return logits, values

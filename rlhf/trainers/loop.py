@@ -135,9 +135,9 @@ def _forward_batch(model, ref, sequences, attn, positions, context, temperature,
     for i in range(0, len(sequences), chunk):
         s = slice(i, i + chunk)
         if needs_values:
-            out = model(input_ids=sequences[s], attention_mask=attn[s], position_ids=positions[s])
-            logps.append(logprobs_from_logits(out.logits[:, context - 1 : -1].float(), sequences[s, context:], temperature))
-            values.append(out.values[:, context - 1 : -1])
+            logits, v = model(input_ids=sequences[s], attention_mask=attn[s], position_ids=positions[s])
+            logps.append(logprobs_from_logits(logits[:, context - 1 : -1].float(), sequences[s, context:], temperature))
+            values.append(v[:, context - 1 : -1])
         else:
             logps.append(response_logprobs(model, sequences[s], attn[s], positions[s], context, temperature)[0])
         refs.append(response_logprobs(ref, sequences[s], attn[s], positions[s], context, temperature)[0])
@@ -151,15 +151,16 @@ def _mean_stats(rows: list[dict]) -> dict[str, float]:
 
 def train(cfg: Config) -> dict:
     c = cfg.train
-    acc = _setup_accelerator(c)
-    sizes = Sizes.derive(c, acc.num_processes)
-    set_seed(cfg.seed + acc.process_index)
     algorithm, engine_name = resolve(c.trainer, c.engine)
     objective = OBJECTIVES[algorithm](c)
-
+    # Models load before the Accelerator exists: under ZeRO-3 an active DeepSpeed config would make
+    # transformers partition them at load time, and the reference/reward models are not DeepSpeed engines.
     tokenizer, policy, ref, value = _setup_models(cfg, objective.needs_values)
     reward_fn = _setup_reward(cfg)
     gold = _gold_judge(cfg)
+    acc = _setup_accelerator(c)
+    sizes = Sizes.derive(c, acc.num_processes)
+    set_seed(cfg.seed + acc.process_index)
     model = PolicyAndValueWrapper(policy, value) if objective.needs_values else policy
     optimizer = torch.optim.AdamW(model.parameters(), lr=c.learning_rate, eps=1e-8, weight_decay=0.0)
     scheduler = get_scheduler(c.lr_scheduler, optimizer, num_warmup_steps=int(c.warmup_ratio * sizes.num_updates), num_training_steps=sizes.num_updates)
@@ -254,11 +255,13 @@ def train(cfg: Config) -> dict:
         reduced = acc.reduce(torch.tensor(list(stats.values()), device=acc.device), reduction="mean").tolist()
         row = dict(zip(stats.keys(), reduced))
         row.update({
-            "timing/generation": gen.seconds, "timing/wait": t_gen - t0 - gen.seconds if engine.lookahead else 0.0,
+            "timing/generation": gen.seconds,
             "timing/scoring": t_score - t_gen, "timing/reference": t_ref - t_score, "timing/update": t_update - t_ref,
             "timing/weight_sync": t_sync - t_update, "timing/step": t_sync - t0,
             "eps": sizes.batch / (t_sync - t0), "train/episode": state.episode, "train/global_step": state.global_step,
         })
+        if engine.lookahead:  # time the learner spent waiting for the generator
+            row["timing/wait"] = t_gen - t0
         if t % cfg.tracking.log_every == 0 or t == sizes.num_batches - 1:
             tracker.log(row)
         bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.2f}")

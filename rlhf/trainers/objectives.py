@@ -78,10 +78,9 @@ class PPO:
     def loss(self, model, mb):
         seq, attn, pos, mask, old_logp, old_values, adv, ret = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp", "old_values", "advantages", "returns")
         context = seq.shape[1] - mask.shape[1]
-        out = model(input_ids=seq, attention_mask=attn, position_ids=pos)
-        logits = out.logits[:, context - 1 : -1].float()
-        logp = logprobs_from_logits(logits, seq[:, context:], self.cfg.temperature)
-        values = out.values[:, context - 1 : -1]
+        logits, values = model(input_ids=seq, attention_mask=attn, position_ids=pos)
+        logp = logprobs_from_logits(logits[:, context - 1 : -1].float(), seq[:, context:], self.cfg.temperature)
+        values = values[:, context - 1 : -1]
         pg_loss, pg_stats = ppo.policy_loss(logp, old_logp, adv, mask, self.cfg.cliprange)
         vf_loss, vf_stats = ppo.value_loss(values, old_values, ret, mask, self.cfg.cliprange_value)
         var_ret = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
@@ -165,7 +164,8 @@ class OnlineDPO:
         sums = (logp * mask).sum(1)
         n = len(mb["valid"])
         loss, stats = dpo.dpo_loss(sums[:n], sums[n:], ref[:n], ref[n:], mb["valid"], self.cfg.beta, self.cfg.loss_type)
-        out = _named("rewards", stats)
+        out = {"rewards/chosen": float(stats["chosen_reward"]), "rewards/rejected": float(stats["rejected_reward"]),
+               "rewards/accuracies": float(stats["accuracy"]), "rewards/margins": float(stats["margin"])}
         out.update({"logps/chosen": sums[:n].mean().item(), "logps/rejected": sums[n:].mean().item(), "loss/policy": loss.item()})
         return loss, out
 
