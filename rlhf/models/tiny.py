@@ -60,6 +60,8 @@ def build_tiny_model(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast,
     Llama (default) or GPT-NeoX (model_cfg.architecture="gpt_neox"); tied input/output embeddings, every dropout
     0, bos/eos/pad ids taken from the tokenizer. The same seed gives the same weights, and the global torch RNG
     is left as it was.
+    For the vLLM engines, head_dim = hidden_size / num_heads must be one that vLLM's CPU attention supports
+    (32, 64, 80, 96, 112, 128, ...; 16 fails at engine start): the defaults 128 / 4 = 32 do.
     """
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     common = dict(
