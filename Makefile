@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 # Runs a command with the offline/quiet environment and project-local caches (rlhf/runtime.py).
 ENV := $(VENV)/bin/python -m rlhf.runtime
 PYTEST_ARGS ?=
+# pip's download cache too stays inside the project (nothing lands in the user's home).
+export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
 
 .PHONY: setup run test serve clean-venv
 

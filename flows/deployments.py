@@ -1,0 +1,140 @@
+"""`make serve`: a Prefect server on 127.0.0.1 plus one process serving the rlhf/<trainer> deployments.
+
+    make serve                                   # UI at http://127.0.0.1:4200 (PREFECT_PORT=... to change)
+    # in another terminal:
+    eval "$(.venv/bin/python -m rlhf.runtime)"; export PREFECT_API_URL=http://127.0.0.1:4200/api
+    prefect deployment run rlhf/ppo --watch
+
+Ctrl-C stops the runner first (its flow runs are cancelled), then the server. Runs execute in the
+directory `make serve` started from (or $RLHF_PROJECT_DIR); one at a time by default (--limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+HOST = "127.0.0.1"  # loopback only: the server has no authentication
+DEFAULT_PORT = 4200
+# The example schedule: a nightly run of the default trainer, inactive until switched on in the UI.
+SCHEDULED_TRAINER = "online_dpo"
+EXAMPLE_CRON = "0 3 * * *"
+
+
+def deployment_name(trainer: str) -> str:
+    """rlhf/<name>: trainer names are snake_case in params.yaml, deployment names kebab-case."""
+    return trainer.replace("_", "-")
+
+
+def deployments() -> list:
+    """One deployment of the `rlhf` flow per trainer of the config schema (RunnerDeployment objects)."""
+    from prefect.deployments.runner import EntrypointType
+    from prefect.schedules import Cron
+
+    from flows.rlhf_flow import TRAINERS, rlhf
+
+    out = []
+    for trainer in TRAINERS:
+        schedules = [Cron(EXAMPLE_CRON, timezone="UTC", active=False)] if trainer == SCHEDULED_TRAINER else None
+        out.append(rlhf.to_deployment(
+            name=deployment_name(trainer),
+            parameters={"trainer": trainer},
+            schedules=schedules,
+            description=f"The dvc.yaml pipeline with train.trainer={trainer}, saved as a DVC experiment.",
+            tags=["rlhf", trainer],
+            entrypoint_type=EntrypointType.MODULE_PATH,  # flows.rlhf_flow.rlhf, importable from any directory
+        ))
+    return out
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        return s.connect_ex((HOST, port)) == 0
+
+
+def start_server(port: int, log_path: Path) -> subprocess.Popen:
+    """`prefect server start` in its own session, so a terminal's Ctrl-C reaches only us and we stop it last."""
+    if _port_in_use(port):
+        raise SystemExit(f"port {port} on {HOST} is in use (another Prefect server?); pick one with PREFECT_PORT=...")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
+    with log_path.open("ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_healthy(api_url: str, server: subprocess.Popen, timeout: float = 120.0) -> float:
+    """Poll <api>/health until it answers 200; return the seconds it took."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if server.poll() is not None:
+            raise SystemExit(f"prefect server exited with status {server.returncode} before answering")
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"prefect server did not answer {api_url}/health within {timeout:.0f} s")
+
+
+def stop_server(server: subprocess.Popen, timeout: float = 20.0) -> None:
+    """SIGTERM the server's process group (uvicorn and its services), SIGKILL whatever outlives `timeout`."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _raise_interrupt(signum, frame):  # SIGTERM (a supervisor, a test) shuts down like Ctrl-C
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=int(os.environ.get("PREFECT_PORT", DEFAULT_PORT)))
+    parser.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1: a run uses the whole CPU)")
+    args = parser.parse_args(argv)
+
+    from rlhf import runtime
+
+    runtime.configure()  # offline, quiet, PREFECT_HOME=.cache/prefect: before prefect reads its settings
+    api_url = f"http://{HOST}:{args.port}/api"
+    os.environ["PREFECT_API_URL"] = api_url
+    os.environ.setdefault("RLHF_PROJECT_DIR", os.getcwd())
+    log_path = Path(os.environ["PREFECT_HOME"]) / "server.log"
+    server = start_server(args.port, log_path)
+    print(f"prefect server pid {server.pid}, log {log_path}", flush=True)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        took = wait_healthy(api_url, server)
+        print(f"prefect server up in {took:.1f} s: UI http://{HOST}:{args.port}  API {api_url}", flush=True)
+        print(f"trigger a run:  PREFECT_API_URL={api_url} prefect deployment run rlhf/ppo", flush=True)
+        from prefect import serve
+
+        serve(*deployments(), limit=args.limit)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping the prefect server...", flush=True)
+        stop_server(server)
+        print("stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Generation with vLLM (CPU build 0.32): the colocated engine, weight snapshots, and the engine factory.
+
+`VLLMEngine` (train.engine "vllm", lookahead 0) samples each batch when the loop asks for it, with the weights
+of the last `load_weights`. `rlhf.generation.async_engine.AsyncEngine` ("vllm_async") runs the same class in its
+own process, ahead of training. Both sample the way HFEngine does: K samples per prompt adjacent in the output
+(prompt-major), temperature, top_p=1, no top-k, at most max_new_tokens, stop after the tokenizer's EOS (kept).
+
+vLLM choices, and why:
+- Prompts go in as token ids and nothing is decoded (skip_tokenizer_init): the engine never needs the tokenizer,
+  and only our EOS stops a sample (generation_config="vllm" keeps a model folder's extra stop ids out).
+- logprobs_mode="processed_logprobs": the returned log-prob of each sampled token is log_softmax(logits / T),
+  the distribution actually sampled from, which is what the trainer computes (logprobs_from_logits with the
+  same temperature). The default "raw_logprobs" would be log_softmax(logits), temperature ignored.
+- Seeds: vLLM gives the j-th of the n samples of a request the seed `seed + j`, so per-prompt seeds are drawn
+  from a 56-bit hash of (run seed, batch index) and spaced K apart: no two samples of a run share a stream.
+  The batch index counts submitted batches; a `load_weights` before the first submit (a resume) starts it at
+  that version, so a resumed run draws the same seeds as an uninterrupted one.
+- Weight sync: the trainer's weights are snapshotted (gathered under ZeRO-3, cloned between optimizer steps),
+  written as safetensors into a new folder, and loaded with the worker's `reload_weights(weights_path=...)`
+  (the `model_runner.model.load_weights` trick fails on CPU: the runner repacks linear weights). The prefix
+  cache is reset afterwards, or prompts cached under the old weights would be reused.
+- The colocated engine keeps vLLM's engine-core process (V1 multiprocessing, the default) with the
+  single-process "uni" executor inside it: the vLLM worker initialises torch.distributed, binds memory and
+  disables torch.set_num_threads in whatever process it runs in, which must not be the trainer's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from rlhf.generation.base import Generated, SamplingParams, pad_right
+from rlhf.generation.hf import gathered_for_generation
+from rlhf.io import atomic_dir
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+# --- weight snapshots (used by both engines, in the trainer process) ---------------------------------------
+
+def snapshot_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of `model`'s full weights on CPU, {HF name: tensor}, that later optimizer steps cannot change.
+
+    Under ZeRO-3 every rank holds shards: the parameters are gathered (a collective, so every rank must call
+    this) and cloned inside the gather. Tied tensors become separate copies (safetensors refuses shared ones;
+    vLLM skips lm_head.weight for tied models).
+    """
+    with gathered_for_generation(model):
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
+
+
+def write_snapshot(state: dict[str, torch.Tensor], folder: Path) -> Path:
+    """Write `state` as `folder`/model.safetensors, atomically: the folder appears only once it is complete."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(folder) as tmp:
+        save_file(state, str(tmp / WEIGHTS_FILE))
+    return folder
+
+
+def snapshot_folder(work_dir: Path, version: int) -> Path:
+    """work_dir/policy-<pid>-v<version>: the pid keeps ranks sharing a work_dir apart; a new folder per version."""
+    return Path(work_dir) / f"policy-{os.getpid()}-v{version:06d}"
+
+
+# --- sampling ----------------------------------------------------------------------------------------------
+
+def request_seed(seed: int, batch: int, prompt: int, k: int) -> int:
+    """Seed of prompt `prompt` of batch `batch`; vLLM seeds its K samples seed, seed+1, ..., seed+K-1."""
+    digest = hashlib.blake2b(f"{seed}:{batch}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big") + prompt * k
+
+
+def vllm_sampling_params(params: SamplingParams, eos_token_id: int, seed: int, batch: int, num_prompts: int) -> list:
+    """One vllm.SamplingParams per prompt: n=K, temperature, top_p=1, no top-k, sampled-token log-probs.
+
+    temperature 0 is vLLM's greedy decoding (0 < T < 0.01 is raised to 0.01 by vLLM, with a warning).
+    """
+    import vllm
+
+    return [
+        vllm.SamplingParams(
+            n=params.k,
+            temperature=params.temperature,
+            top_p=1.0,
+            top_k=0,
+            max_tokens=params.max_new_tokens,
+            stop_token_ids=[eos_token_id],
+            logprobs=0,  # only the sampled token's log-prob
+            seed=request_seed(seed, batch, i, params.k),
+            detokenize=False,
+        )
+        for i in range(num_prompts)
+    ]
+
+
+def outputs_to_tensors(outputs, k: int, length: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM RequestOutputs (one per prompt, K completions each) -> responses (B*K, T) and log-probs (B*K, T).
+
+    Rows are prompt-major (the K samples of a prompt adjacent, in sample order); responses are right-padded
+    with pad_token_id and log-probs with 0.
+    """
+    rows, logps = [], []
+    for out in outputs:
+        completions = sorted(out.outputs, key=lambda c: c.index)
+        if len(completions) != k:
+            raise RuntimeError(f"vLLM returned {len(completions)} samples for request {out.request_id}, expected {k}")
+        for c in completions:
+            ids = list(c.token_ids)
+            rows.append(ids)
+            logps.append([step[tok].logprob for step, tok in zip(c.logprobs, ids)])
+    logprobs = torch.zeros(len(rows), length, dtype=torch.float32)
+    for i, row in enumerate(logps):
+        row = row[:length]
+        logprobs[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+    return pad_right(rows, length, pad_token_id), logprobs
+
+
+# --- the engine --------------------------------------------------------------------------------------------
+
+class VLLMEngine:
+    """A vLLM engine built once per run; samples each batch at `receive()` with the last loaded weights."""
+
+    lookahead = 0
+
+    def __init__(self, model_folder: Path, eos_token_id: int, pad_token_id: int, seed: int, max_model_len: int, work_dir: Path):
+        from vllm import LLM
+
+        self.eos_token_id, self.pad_token_id, self.seed = eos_token_id, pad_token_id, seed
+        self.work_dir = Path(work_dir)
+        self.version = 0
+        self.next_batch = 0  # the batch index that seeds the next submitted batch
+        self._queue: deque = deque()
+        self._snapshot: Path | None = None  # the snapshot the engine holds now (deleted when replaced)
+        self._stats: dict[str, float] = {}
+        start = time.perf_counter()
+        self.llm = LLM(
+            model=str(model_folder),
+            dtype="float32",
+            max_model_len=max_model_len,
+            enforce_eager=True,  # torch.compile: ~30 s more start for nothing at these sizes (platform.md)
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,
+            generation_config="vllm",
+            distributed_executor_backend="uni",  # the worker runs inside the engine-core process: no third one
+            disable_log_stats=True,
+        )
+        self.start_seconds = time.perf_counter() - start
+
+    # The Engine protocol
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        self._queue.append((prompts, params, self.next_batch))
+        self.next_batch += 1
+
+    def receive(self) -> Generated:
+        if not self._queue:
+            raise RuntimeError("VLLMEngine.receive: no batch was submitted")
+        prompts, params, batch = self._queue.popleft()
+        return self.generate(prompts, params, batch)
+
+    def load_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Snapshot `model`, write it under work_dir, reload it into vLLM and reset the prefix cache."""
+        if not self._queue and self.next_batch == 0:
+            self.next_batch = version  # a resume: seed batch t as an uninterrupted run would
+        start = time.perf_counter()
+        folder = write_snapshot(snapshot_state_dict(model), snapshot_folder(self.work_dir, version))
+        written = time.perf_counter()
+        self.reload(folder, version)
+        self._stats = {"timing/weight_snapshot": written - start, "timing/weight_sync_engine": time.perf_counter() - written}
+
+    def close(self) -> None:
+        self._queue.clear()
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        if self._snapshot is not None:
+            shutil.rmtree(self._snapshot, ignore_errors=True)
+            self._snapshot = None
+
+    def stats(self) -> dict[str, float]:
+        """Seconds spent by the last load_weights: writing the snapshot (trainer) and reloading it (vLLM)."""
+        return dict(self._stats)
+
+    # Used directly by the async engine's process
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, batch: int) -> Generated:
+        """Sample K completions for each prompt with the current weights; `batch` picks the seeds."""
+        from vllm.inputs import TokensPrompt
+
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine: generate after close()")
+        start = time.perf_counter()
+        sampling = vllm_sampling_params(params, self.eos_token_id, self.seed, batch, len(prompts))
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+        responses, logprobs = outputs_to_tensors(outputs, params.k, params.max_new_tokens, self.pad_token_id)
+        return Generated(responses, self.version, time.perf_counter() - start, logprobs)
+
+    def reload(self, folder: Path, version: int) -> float:
+        """Load the snapshot in `folder` into the running engine, tag it `version`; returns the seconds taken.
+
+        The previous snapshot folder is deleted once the new weights are in.
+        """
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine: reload after close()")
+        start = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        self.llm.reset_prefix_cache()
+        self.version = version
+        if self._snapshot is not None and Path(folder) != self._snapshot:
+            shutil.rmtree(self._snapshot, ignore_errors=True)
+        self._snapshot = Path(folder)
+        return time.perf_counter() - start
+
+
+def make_vllm_engine(kind: str, model_folder: Path, tokenizer, max_staleness: int, seed: int, max_model_len: int, work_dir: Path):
+    """The engine for train.engine `kind`: "vllm" (colocated, lookahead 0) or "vllm_async" (own process,
+    lookahead = max_staleness >= 1). `model_folder` is a HF safetensors folder (the SFT policy) whose weights
+    are version 0; `work_dir` receives the weight snapshots (one folder per version, old ones deleted).
+    """
+    model_folder, work_dir = Path(model_folder), Path(work_dir)
+    if not (model_folder / "config.json").is_file():
+        raise FileNotFoundError(f"{model_folder / 'config.json'}: missing; the vLLM engine needs a saved HF model folder")
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise ValueError(f"the tokenizer needs eos and pad tokens for vLLM generation (eos={tokenizer.eos_token_id}, pad={tokenizer.pad_token_id})")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if kind == "vllm":
+        return VLLMEngine(model_folder, seed=seed, max_model_len=max_model_len, work_dir=work_dir, **ids)
+    if kind == "vllm_async":
+        from rlhf.generation.async_engine import AsyncEngine
+
+        if max_staleness < 1:
+            raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
+        return AsyncEngine(model_folder, max_staleness=max_staleness, seed=seed, max_model_len=max_model_len, work_dir=work_dir, **ids)
+    raise ValueError(f"train.engine: unknown vLLM engine {kind!r} (expected 'vllm' or 'vllm_async')")
