@@ -103,3 +103,11 @@ def test_cli_bad_input_exits_non_zero_with_the_key_in_the_message():
 def test_cli_config_prints_the_resolved_values():
     proc = run_cli("--profile", "ci", "config", "train.k=3")
     assert proc.returncode == 0 and "k: 3" in proc.stdout and "profile: ci" in proc.stdout
+
+
+def test_cli_missing_inputs_name_the_file_and_the_fix(tmp_path):
+    proc = run_cli("--profile", "ci", "sft", f"data_dir={tmp_path}")
+    assert proc.returncode == 1 and "rlhf prepare" in proc.stderr and str(tmp_path) in proc.stderr
+    proc = run_cli("--profile", "ci", "prepare", f"data_dir={tmp_path}", "data.reviews_csv=/nonexistent/reviews.csv")
+    assert proc.returncode == 1 and "/nonexistent/reviews.csv" in proc.stderr
+    assert not (tmp_path / "prepared").exists()  # nothing half-written

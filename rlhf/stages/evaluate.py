@@ -52,7 +52,6 @@ def run(cfg: Config) -> dict:
     from rlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer
     from rlhf.rewards.gold import GoldJudge
 
-    torch.manual_seed(cfg.seed)
     judge = GoldJudge.load(cfg.path("gold"))
     prompts = load_split(cfg.path("prepared"), "eval_prompts", EvalPrompts)
     gens = load_split(cfg.path("generations"), "eval", Generations)
@@ -64,7 +63,9 @@ def run(cfg: Config) -> dict:
     policy, sft = load_causal_lm(cfg.path("train", "policy")), load_causal_lm(cfg.path("sft"))
     rm = load_reward_model(cfg.path("reward", "model"))
     texts = list(prompts["prompt"])
+    torch.manual_seed(cfg.seed)
     kl_policy, proxy_policy = kl_and_proxy(policy, sft, rm, tokenizer, texts, cfg)
+    torch.manual_seed(cfg.seed)  # the SFT's samples must not depend on how much randomness the policy used
     _, proxy_sft = kl_and_proxy(sft, sft, rm, tokenizer, texts, cfg)
 
     metrics = {

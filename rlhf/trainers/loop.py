@@ -8,6 +8,7 @@ One iteration (numbered as in shared/design/architecture.md):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
@@ -96,12 +97,15 @@ def _gold_judge(cfg: Config, required: bool = False):
     return GoldJudge.load(cfg.path("gold"))
 
 
-def _setup_engine(name: str, cfg: Config, model, tokenizer):
+def _setup_engine(name: str, cfg: Config, model, tokenizer, max_model_len: int):
     if name == "hf":
         from rlhf.generation.hf import HFEngine
 
         return HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    raise NotImplementedError(f"train.engine={name}: the vLLM engines are not available yet (only `hf` is); set train.engine=hf or pick an HF trainer")
+    from rlhf.generation.vllm import make_vllm_engine
+
+    # The engine starts from the SFT weights (version 0); a resumed run syncs its own weights right after.
+    return make_vllm_engine(name, cfg.path("sft"), tokenizer, cfg.train.max_staleness, cfg.seed, max_model_len, cfg.path("train", "engine"))
 
 
 def _setup_prompts(cfg: Config, tokenizer) -> list[list[int]]:
@@ -166,9 +170,17 @@ def train(cfg: Config) -> dict:
     scheduler = get_scheduler(c.lr_scheduler, optimizer, num_warmup_steps=int(c.warmup_ratio * sizes.num_updates), num_training_steps=sizes.num_updates)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     unwrapped_policy = lambda: acc.unwrap_model(model).policy if objective.needs_values else acc.unwrap_model(model)  # noqa: E731
-    engine = _setup_engine(engine_name, cfg, unwrapped_policy(), tokenizer)
     prompts = _setup_prompts(cfg, tokenizer)
+    if engine_name != "hf" and acc.num_processes > 1:
+        raise ValueError(f"train.engine={engine_name}: the vLLM engines run with one training process (got {acc.num_processes}); use train.engine=hf with several processes")
+    engine = _setup_engine(engine_name, cfg, unwrapped_policy(), tokenizer, max(map(len, prompts)) + c.response_length)
+    with contextlib.closing(engine):  # an error must not leave an engine process behind
+        return _loop(cfg, acc, sizes, objective, model, optimizer, scheduler, unwrapped_policy, engine, prompts, tokenizer, ref, reward_fn, gold)
 
+
+def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimizer, scheduler, unwrapped_policy, engine, prompts, tokenizer, ref, reward_fn, gold) -> dict:
+    """Steps 1-9 for every generated batch, then the final export."""
+    c = cfg.train
     ckpt_dir = cfg.path("train", "checkpoints")
     state = checkpoint.LoopState()
     if (last := checkpoint.latest(ckpt_dir)) is not None:
@@ -260,6 +272,7 @@ def train(cfg: Config) -> dict:
             "timing/weight_sync": t_sync - t_update, "timing/step": t_sync - t0,
             "eps": sizes.batch / (t_sync - t0), "train/episode": state.episode, "train/global_step": state.global_step,
         })
+        row.update(getattr(engine, "stats", dict)())
         if engine.lookahead:  # time the learner spent waiting for the generator
             row["timing/wait"] = t_gen - t0
         if t % cfg.tracking.log_every == 0 or t == sizes.num_batches - 1:
@@ -267,7 +280,6 @@ def train(cfg: Config) -> dict:
         bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.2f}")
         if c.save_every and state.batch % c.save_every == 0 and state.batch < sizes.num_batches:
             checkpoint.save(acc, ckpt_dir, state)
-    engine.close()
     return _finish(cfg, acc, model, unwrapped_policy(), tokenizer, tracker, state)
 
 

@@ -1,0 +1,338 @@
+"""Asynchronous generation: a VLLMEngine in its own process samples up to N batches ahead of training.
+
+Processes and channels:
+- The trainer (this process) and one engine process (multiprocessing "spawn"), pinned to the last allowed core
+  with torch on one thread. vLLM runs inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0, "uni" executor): one process
+  to watch, to kill and to pin, no grandchild left behind when it dies, and a ~3 s engine start instead of
+  ~19 s for vLLM's own engine-core process.
+- trainer -> engine: a bounded multiprocessing Queue of messages handled strictly in order,
+  ("weights", folder, version) and ("generate", batch, prompts, params). Bounded at 2(N+2) messages; the loop
+  never has more than N+1 batches and N+1 weight versions outstanding.
+- engine -> trainer: a one-way Pipe whose write end only the engine holds, so the engine's death reads as EOF
+  (a Queue would leave a read blocked forever on a half-written message). The engine sends from a thread
+  with a bounded buffer, so a large result never stops it from starting the next batch.
+Every read polls with a timeout and checks that the engine is alive: if it dies (killed, crashed, vLLM
+error) the next receive/submit/load_weights raises RuntimeError naming the engine process, its exit code and
+the error text it sent, within about a second. The engine exits too if the trainer dies (parent-death signal).
+
+Staleness: batch t is sampled with the newest weights the engine has loaded when it starts batch t. The loop
+submits batch t+N before it trains batch t and calls load_weights(version t+1) after training batch t, and the
+engine handles messages in order, so batch t is sampled with version >= t-N: staleness <= N.
+
+Weights: load_weights snapshots the trainer's weights between optimizer steps (see vllm.snapshot_state_dict),
+writes them atomically to a NEW folder per version, and only enqueues the message; the trainer never waits for
+the engine's reload, and the engine only ever sees complete folders. Folders of older versions are deleted once
+the engine acknowledges a newer one.
+
+Timing, `stats()` after each receive, for the batch just received:
+  timing/engine_idle          seconds the engine waited for work since it sent the previous batch
+  timing/weight_sync_engine   seconds the engine spent in reload_weights since the previous batch
+  timing/weight_snapshot      seconds the trainer spent in its last load_weights (gather, clone, write)
+Generated.seconds is the engine's own generation time for the batch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import threading
+import time
+import traceback
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhf.generation.base import Generated, SamplingParams
+
+POLL_SECONDS = 0.5  # how often a waiting side checks that the other one is still alive
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine process needs to build its VLLMEngine (picklable)."""
+
+    model_folder: str
+    eos_token_id: int
+    pad_token_id: int
+    seed: int
+    max_model_len: int
+    work_dir: str
+
+
+class AsyncEngine:
+    """The Engine protocol over a VLLMEngine in its own process; lookahead = max_staleness (N >= 1)."""
+
+    def __init__(self, model_folder: Path, eos_token_id: int, pad_token_id: int, seed: int, max_model_len: int,
+                 work_dir: Path, max_staleness: int, start_timeout: float = 600.0):
+        if max_staleness < 1:
+            raise ValueError(f"AsyncEngine: max_staleness must be >= 1, got {max_staleness}")
+        self.lookahead = max_staleness
+        self.work_dir = Path(work_dir)
+        self._next_batch = 0  # the batch index (seeds) of the next submit
+        self._pending: deque[int] = deque()  # submitted batch indices not yet received, oldest first
+        self._ready: dict[int, tuple[Generated, dict]] = {}  # results read while waiting for something else
+        self._snapshots: dict[int, Path] = {}  # version -> folder still on disk
+        self._stats: dict[str, float] = {}
+        self._snapshot_seconds = 0.0
+        self.start_seconds = float("nan")
+        ctx = mp.get_context("spawn")
+        self._inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
+        self._stop = ctx.Event()
+        reader, writer = ctx.Pipe(duplex=False)
+        spec = EngineSpec(str(model_folder), eos_token_id, pad_token_id, seed, max_model_len, str(work_dir))
+        self._proc = ctx.Process(target=engine_process_main, args=(spec, self._inbox, writer, self._stop, os.getpid()),
+                                 name="rlhf-vllm-engine", daemon=False)
+        self._proc.start()
+        writer.close()  # the engine holds the only write end: its death closes the pipe
+        self._results = reader
+        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._inbox, self._results, self._snapshots)
+        # Run before multiprocessing's own exit hook, which would join the (non-daemon) engine forever.
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+        self._wait_ready(start_timeout)
+
+    # The Engine protocol
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        batch = self._next_batch
+        self._put(("generate", batch, prompts, params))
+        self._pending.append(batch)
+        self._next_batch += 1
+
+    def receive(self) -> Generated:
+        """The oldest submitted batch; raises RuntimeError if the engine process died or failed."""
+        if not self._pending:
+            raise RuntimeError("AsyncEngine.receive: no batch was submitted")
+        batch = self._pending[0]
+        while batch not in self._ready:
+            self._handle(self._next_message(timeout=None))
+        gen, stats = self._ready.pop(batch)
+        self._pending.popleft()
+        self._stats = {**stats, "timing/weight_snapshot": self._snapshot_seconds}
+        return gen
+
+    def load_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Snapshot `model` into a new folder and queue it; the engine loads it before its next batch."""
+        from rlhf.generation.vllm import snapshot_folder, snapshot_state_dict, write_snapshot
+
+        if self._next_batch == 0:
+            self._next_batch = version  # a resume: seed batch t as an uninterrupted run would
+        start = time.perf_counter()
+        folder = write_snapshot(snapshot_state_dict(model), snapshot_folder(self.work_dir, version))
+        self._snapshots[version] = folder
+        self._put(("weights", str(folder), version))
+        self._snapshot_seconds = time.perf_counter() - start
+
+    def close(self) -> None:
+        """Stop the engine process (stop event + sentinel, join, then terminate/kill); safe to call twice."""
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+
+    def stats(self) -> dict[str, float]:
+        """Timings for the batch last received (see the module docstring)."""
+        return dict(self._stats)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # Channel plumbing
+
+    def _wait_ready(self, timeout: float) -> None:
+        try:
+            msg = self._next_message(timeout=timeout)
+            if msg is None:
+                raise RuntimeError(f"vLLM engine process (pid {self._proc.pid}) did not start within {timeout:.0f} s")
+            self._handle(msg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _put(self, msg: tuple) -> None:
+        while True:
+            if not self._finalizer.alive:
+                raise RuntimeError("AsyncEngine: used after close()")
+            if not self._proc.is_alive():  # fail now, not at the next receive
+                while (ready := self._next_message(timeout=0)) is not None:  # raises with its error or exit code
+                    self._handle(ready)
+            try:
+                self._inbox.put(msg, timeout=POLL_SECONDS)
+                return
+            except queue.Full:
+                # The engine may be waiting to hand over results: take them so it can move on.
+                while (ready := self._next_message(timeout=0)) is not None:
+                    self._handle(ready)
+
+    def _next_message(self, timeout: float | None) -> tuple | None:
+        """The next message from the engine; None after `timeout` seconds (None = wait as long as it lives)."""
+        if not self._finalizer.alive:
+            raise RuntimeError("AsyncEngine: used after close()")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
+            try:
+                if self._results.poll(wait):
+                    return self._results.recv()
+            except (EOFError, OSError):
+                raise self._dead("closed its result channel") from None
+            if not self._proc.is_alive() and not self._results.poll(0):
+                raise self._dead("exited")
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "result":
+            _, batch, responses, logprobs, version, seconds, idle, reload = msg
+            gen = Generated(torch.from_numpy(responses), version, seconds, torch.from_numpy(logprobs))
+            self._ready[batch] = (gen, {"timing/engine_idle": idle, "timing/weight_sync_engine": reload})
+        elif kind == "ack":
+            _, version = msg
+            for old in [v for v in self._snapshots if v < version]:
+                shutil.rmtree(self._snapshots.pop(old), ignore_errors=True)
+        elif kind == "ready":
+            self.start_seconds = msg[1]
+        elif kind == "error":
+            raise self._dead(f"failed:\n{msg[1]}")
+        else:
+            raise RuntimeError(f"AsyncEngine: unknown message {kind!r} from the vLLM engine process")
+
+    def _dead(self, what: str) -> RuntimeError:
+        self._proc.join(timeout=5)  # the exit code, once it has exited
+        code = self._proc.exitcode
+        how = "still running" if code is None else f"exit code {code}"
+        if code is not None and code < 0:
+            how += f" ({signal.Signals(-code).name})"
+        return RuntimeError(f"vLLM engine process (pid {self._proc.pid}, {how}) {what}")
+
+
+def _shutdown(proc, stop, inbox, results, snapshots: dict, timeout: float = 30.0) -> None:
+    """Stop the engine process and free the channels and snapshot folders (the finalizer: runs once)."""
+    if proc.is_alive():
+        stop.set()  # skip batches still queued
+        try:
+            inbox.put_nowait(("stop",))  # wakes it if it waits for work
+        except (queue.Full, ValueError, OSError):
+            pass
+        deadline = time.monotonic() + timeout
+        while proc.is_alive() and time.monotonic() < deadline:
+            try:  # keep its results flowing so it is never stuck sending
+                while results.poll(0.2):
+                    results.recv()
+            except (EOFError, OSError):
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+    proc.join(timeout=5)
+    results.close()
+    inbox.cancel_join_thread()  # unsent messages to a dead engine must not block interpreter exit
+    inbox.close()
+    for folder in snapshots.values():
+        shutil.rmtree(folder, ignore_errors=True)
+    snapshots.clear()
+
+
+# --- the engine process ------------------------------------------------------------------------------------
+
+def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int) -> None:
+    """Entry point of the engine process: build the VLLMEngine, then handle messages in order until stopped.
+
+    Errors are sent back as ("error", traceback) before the process exits with code 1.
+    """
+    _die_with_parent(parent_pid)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM runs in this process (read when vLLM starts)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        os.sched_setaffinity(0, {cores[-1]})  # its own core; the trainer keeps the others
+    torch.set_num_threads(1)
+    outbox = _Sender(results)
+    try:
+        from rlhf.generation.vllm import VLLMEngine
+
+        engine = VLLMEngine(Path(spec.model_folder), spec.eos_token_id, spec.pad_token_id, spec.seed, spec.max_model_len, Path(spec.work_dir))
+        outbox.send(("ready", engine.start_seconds))
+        idle = reload = 0.0
+        while True:
+            waited = time.perf_counter()
+            msg = _next_work(inbox, stop, parent_pid)
+            idle += time.perf_counter() - waited
+            if msg is None:
+                break
+            if msg[0] == "weights":
+                _, folder, version = msg
+                reload += engine.reload(Path(folder), version)
+                outbox.send(("ack", version))
+            elif msg[0] == "generate":
+                _, batch, prompts, params = msg
+                gen = engine.generate(prompts, params, batch)
+                outbox.send(("result", batch, gen.responses.numpy(), gen.logprobs.numpy(), gen.version, gen.seconds, idle, reload))
+                idle = reload = 0.0
+            else:
+                raise ValueError(f"unknown message {msg[0]!r}")
+    except BaseException:
+        outbox.send(("error", traceback.format_exc()))
+        outbox.flush(timeout=10)
+        # Exit at once, with the code the trainer reports: vLLM lives in this process only, so there is
+        # nothing to shut down, and a normal interpreter exit (vLLM/torch teardown) can take seconds.
+        os._exit(1)
+    engine.close()
+    outbox.flush(timeout=10)
+
+
+def _next_work(inbox, stop, parent_pid: int):
+    """The next message, or None when asked to stop or when the trainer is gone."""
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            return None
+        try:
+            msg = inbox.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
+        return None if msg[0] == "stop" or stop.is_set() else msg
+    return None
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the trainer dies, so no engine outlives a killed run."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent-pid check in _next_work still ends it
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class _Sender:
+    """Sends messages to the trainer from a thread, through a bounded buffer, in order."""
+
+    def __init__(self, conn, capacity: int = 64):
+        self.conn = conn
+        self.buffer: queue.Queue = queue.Queue(maxsize=capacity)
+        self.thread = threading.Thread(target=self._run, name="rlhf-vllm-sender", daemon=True)
+        self.thread.start()
+
+    def send(self, msg: tuple) -> None:
+        self.buffer.put(msg)
+
+    def flush(self, timeout: float) -> None:
+        self.buffer.put(None)
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while (msg := self.buffer.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except (BrokenPipeError, OSError):
+                return  # the trainer is gone

