@@ -63,12 +63,6 @@ def test_training_changes_the_policy_and_logs_real_kl(ci_data):
     assert float(read_rows(ci_data)[-1]["objective/kl"]) != 0.0
 
 
-def test_vllm_presets_say_their_engine_is_not_available_yet(ci_data):
-    cfg = ci_config(ci_data, "train.trainer=online_dpo_vllm")
-    with pytest.raises(NotImplementedError, match="vLLM engines are not available yet"):
-        train(cfg)
-
-
 def test_prompt_batches_are_disjoint_within_an_epoch_and_pure_functions_of_the_step():
     prompts = [[i] for i in range(12)]
     sizes = Sizes(world=2, local_batch=3, batch=6, num_batches=4, num_updates=4)

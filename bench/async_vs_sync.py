@@ -1,0 +1,103 @@
+"""Online DPO three ways on the same episodes: sync HF generate, vLLM colocated, vLLM asynchronous (N=1).
+
+Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`). Usage:
+    .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [key=value ...]
+Prints wall-clock time, episodes/s and final gold score for each, the speedups and the ideal overlap of the
+sync run, and writes them to bench/metrics/async_vs_sync.json (a DVC metrics file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = {"sync_hf": "online_dpo", "vllm_colocated": "online_dpo_single_vllm", "vllm_async": "online_dpo_vllm"}
+
+
+def scratch_data(src: Path, dst: Path) -> Path:
+    """A data dir that shares the pipeline's inputs (symlinks) and gets its own train/ and metrics/."""
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.mkdir(parents=True)
+    for name in ("prepared", "gold", "sft", "reward"):
+        if not (src / name).exists():
+            raise SystemExit(f"{src / name} is missing: run `make run` (or `dvc repro reward`) first")
+        (dst / name).symlink_to((src / name).resolve())
+    return dst
+
+
+def eval_gold(cfg, n_prompts: int = 512) -> float:
+    """Mean gold score of the trained policy's samples (train temperature) on the eval prompts."""
+    from rlhf.data.schemas import EvalPrompts
+    from rlhf.data.splits import load_split
+    from rlhf.generation.base import SamplingParams
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.rewards.gold import GoldJudge
+    from rlhf.stages.generate import generate_texts
+
+    torch.manual_seed(cfg.seed)
+    prompts = list(load_split(cfg.path("prepared"), "eval_prompts", EvalPrompts)["prompt"])[:n_prompts]
+    folder = cfg.path("train", "policy")
+    params = SamplingParams(k=1, max_new_tokens=cfg.train.response_length, temperature=cfg.train.temperature)
+    texts = generate_texts(load_causal_lm(folder), load_tokenizer(folder), prompts, params, 64, "bench: eval")
+    return float(GoldJudge.load(cfg.path("gold")).score(texts).mean())
+
+
+def main() -> None:
+    from rlhf import runtime
+    from rlhf.config import load_config
+    from rlhf.io import write_json
+    from rlhf.trainers.loop import train
+
+    runtime.configure()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="tiny")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    results = {}
+    for name, trainer in RUNS.items():
+        data = scratch_data(ROOT / "data", ROOT / "bench" / "out" / name / "data")
+        cfg = load_config(ROOT / "params.yaml", args.profile, [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", *args.overrides])
+        start = time.perf_counter()
+        train(cfg)
+        wall = time.perf_counter() - start
+        with open(cfg.path("plots", "train.csv")) as f:
+            rows = list(csv.DictReader(f))
+        total = lambda key: sum(float(r.get(key) or 0) for r in rows)  # noqa: E731
+        loop = total("timing/step")
+        results[name] = {
+            "wall_seconds": wall,  # includes model loading and engine start-up
+            "loop_seconds": loop,  # the iterations only
+            "episodes_per_second": cfg.train.total_episodes / loop,
+            "generation_seconds": total("timing/generation"),
+            "learner_seconds": loop - (total("timing/wait") if name == "vllm_async" else total("timing/generation")),
+            "final_gold": eval_gold(cfg),
+            "max_staleness_seen": max(float(r["async/staleness"]) for r in rows),
+        }
+    sync = results["sync_hf"]
+    ideal = (sync["generation_seconds"] + sync["learner_seconds"]) / max(sync["generation_seconds"], sync["learner_seconds"])
+    summary = {
+        "ideal_overlap_of_sync": ideal,
+        "speedup_async_vs_sync": sync["loop_seconds"] / results["vllm_async"]["loop_seconds"],
+        "speedup_colocated_vs_sync": sync["loop_seconds"] / results["vllm_colocated"]["loop_seconds"],
+        "speedup_async_vs_colocated": results["vllm_colocated"]["loop_seconds"] / results["vllm_async"]["loop_seconds"],
+        "gold_async_minus_sync_points": 100 * (results["vllm_async"]["final_gold"] - sync["final_gold"]),
+    }
+    summary["async_speedup_fraction_of_ideal"] = summary["speedup_async_vs_sync"] / ideal
+    print(f"\nonline DPO, profile {args.profile}, {cfg.train.total_episodes} episodes (torch threads: {torch.get_num_threads()})")
+    print(f"{'run':<16}{'wall s':>9}{'loop s':>9}{'eps':>8}{'gen s':>8}{'learner s':>11}{'gold':>7}{'stale':>7}")
+    for name, r in results.items():
+        print(f"{name:<16}{r['wall_seconds']:>9.1f}{r['loop_seconds']:>9.1f}{r['episodes_per_second']:>8.2f}{r['generation_seconds']:>8.1f}"
+              f"{r['learner_seconds']:>11.1f}{r['final_gold']:>7.3f}{r['max_staleness_seen']:>7.0f}")
+    for key, value in summary.items():
+        print(f"{key:<34}{value:8.3f}")
+    write_json(ROOT / "bench" / "metrics" / "async_vs_sync.json", {**summary, **{f"{n}/{k}": v for n, r in results.items() for k, v in r.items()}})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Rollout throughput: vLLM (CPU build) vs HF `generate` on the same prompts, samples and lengths.
+
+Usage:
+    .venv/bin/python -m rlhf.runtime python bench/engines.py --model smollm2      # the packaged SmolLM2-135M
+    .venv/bin/python -m rlhf.runtime python bench/engines.py --model data/sft     # any saved policy folder
+Needs data/prepared (prompts). Prints generated tokens/s of each engine and their ratio; writes
+bench/metrics/engines_<model>.json (a DVC metrics file). Engine start-up is reported apart, not in tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def model_folder(name: str) -> Path:
+    """A safetensors folder vLLM can load: the packaged SmolLM2 is de-quantised and saved once."""
+    if name != "smollm2":
+        return Path(name)
+    folder = ROOT / ".cache" / "bench" / "smollm2"
+    if not (folder / "config.json").exists():
+        from rlhf.models.loading import load_smollm2, save_pretrained
+
+        save_pretrained(*load_smollm2(), folder)
+    return folder
+
+
+def generated_tokens(responses: torch.Tensor, eos: int) -> int:
+    """Tokens actually generated: up to and including the first EOS of each row."""
+    from rlhf.algorithms.common import truncate_after_eos
+
+    return int(truncate_after_eos(responses, eos, eos)[1].sum())
+
+
+def run_engine(engine, batches, params, eos: int) -> tuple[float, int]:
+    seconds, tokens = 0.0, 0
+    for batch in batches:
+        engine.submit(batch, params)
+        start = time.perf_counter()
+        out = engine.receive()
+        seconds += time.perf_counter() - start
+        tokens += generated_tokens(out.responses, eos)
+    return seconds, tokens
+
+
+def main() -> None:
+    from rlhf import runtime
+    from rlhf.data.schemas import EvalPrompts
+    from rlhf.data.splits import load_split
+    from rlhf.generation.base import SamplingParams
+    from rlhf.generation.hf import HFEngine
+    from rlhf.generation.vllm import make_vllm_engine
+    from rlhf.io import write_json
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
+
+    runtime.configure()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2 or a saved policy folder")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16, help="prompts per batch")
+    ap.add_argument("--k", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32, help="max new tokens")
+    ap.add_argument("--data", default=str(ROOT / "data" / "prepared"))
+    args = ap.parse_args()
+
+    folder = model_folder(args.model)
+    tokenizer = load_tokenizer(folder)
+    texts = list(load_split(Path(args.data), "eval_prompts", EvalPrompts)["prompt"])[: args.prompts]
+    ids = tokenizer(texts)["input_ids"]
+    batches = [ids[i : i + args.batch] for i in range(0, len(ids), args.batch)]
+    params = SamplingParams(k=args.k, max_new_tokens=args.tokens, temperature=0.7)
+    eos = tokenizer.eos_token_id
+    max_len = max(map(len, ids)) + args.tokens
+
+    torch.manual_seed(0)
+    hf_seconds, hf_tokens = run_engine(HFEngine(load_causal_lm(folder), tokenizer.pad_token_id, eos), batches, params, eos)
+    engine = make_vllm_engine("vllm", folder, tokenizer, 1, 0, max_len, ROOT / ".cache" / "bench" / "engine")
+    try:
+        run_engine(engine, batches[:1], params, eos)  # warm-up (first-call allocations), not timed
+        vllm_seconds, vllm_tokens = run_engine(engine, batches, params, eos)
+    finally:
+        engine.close()
+    result = {
+        "hf_tokens_per_second": hf_tokens / hf_seconds,
+        "vllm_tokens_per_second": vllm_tokens / vllm_seconds,
+        "vllm_start_seconds": engine.start_seconds,
+        "hf_tokens": hf_tokens,
+        "vllm_tokens": vllm_tokens,
+    }
+    result["vllm_over_hf"] = result["vllm_tokens_per_second"] / result["hf_tokens_per_second"]
+    name = "smollm2" if args.model == "smollm2" else Path(args.model).name
+    print(f"\nrollouts of {folder.name}: {len(ids)} prompts x k={args.k} x <= {args.tokens} tokens, batches of {args.batch} prompts, one thread each")
+    print(f"  HF generate  {result['hf_tokens_per_second']:9.1f} tokens/s  ({hf_tokens} tokens in {hf_seconds:.1f} s)")
+    print(f"  vLLM         {result['vllm_tokens_per_second']:9.1f} tokens/s  ({vllm_tokens} tokens in {vllm_seconds:.1f} s; start-up {engine.start_seconds:.1f} s)")
+    print(f"  vLLM / HF    {result['vllm_over_hf']:9.2f}x")
+    write_json(ROOT / "bench" / "metrics" / f"engines_{name}.json", result)
+
+
+if __name__ == "__main__":
+    main()
