@@ -121,6 +121,7 @@ class TrainConfig(_Section):
     non_eos_penalty: bool = Field(True, description="replace the score of samples without EOS")
     penalty_reward_value: float = Field(-1.0, description="score given to samples without EOS")
     max_staleness: int = Field(1, ge=0, description="async: how many updates old a batch's weights may be")
+    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling for stale vLLM batches: weight PPO/RLOO/GRPO advantages by min(pi/pi_engine, cap) per sequence; null = off")
     # --- optimisation ---
     learning_rate: float = Field(3e-4, gt=0)
     lr_scheduler: Literal["linear", "cosine", "constant"] = Field("linear")
@@ -148,6 +149,8 @@ class TrainConfig(_Section):
                 f"train.total_episodes ({self.total_episodes}) must be divisible by the prompts per batch "
                 f"P*G*M = {self.per_device_train_batch_size}*{self.gradient_accumulation_steps}*{self.num_mini_batches} = {batch}"
             )
+        if self.tis_cap is not None and self.trainer not in ("ppo", "rloo", "grpo"):
+            raise ValueError(f"train.tis_cap weights policy-gradient advantages: it applies to ppo, rloo and grpo, not {self.trainer}")
         if self.trainer in ("online_dpo", "online_dpo_single_vllm", "online_dpo_vllm", "bok", "rloo", "grpo") and self.k < 2:
             raise ValueError(f"train.k must be >= 2 for trainer {self.trainer} (it compares samples of one prompt)")
         return self

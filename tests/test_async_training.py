@@ -24,9 +24,14 @@ def rows(data_dir):
 @pytest.mark.parametrize("trainer", ["online_dpo", "rloo", "ppo"])
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_async_engine_keeps_every_batch_within_max_staleness(ci_data, trainer, staleness):
-    cfg = ci_config(ci_data, f"train.trainer={trainer}", "train.engine=vllm_async", f"train.max_staleness={staleness}", "train.total_episodes=32")
+    tis = [] if trainer == "online_dpo" else ["train.tis_cap=2.0"]  # truncated IS for the policy-gradient ones
+    cfg = ci_config(ci_data, f"train.trainer={trainer}", "train.engine=vllm_async", f"train.max_staleness={staleness}", "train.total_episodes=32", *tis)
     train(cfg)
     logged = rows(ci_data)
+    if tis:
+        assert all(0 < float(r["policy/is_weight"]) <= 2.0 for r in logged)
+    else:
+        assert "policy/is_weight" not in logged[0]
     assert len(logged) == 4
     stale = [float(r["async/staleness"]) for r in logged]
     # batch t is sampled before batch t-N is trained on: staleness min(t, N), never more than N

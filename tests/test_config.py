@@ -48,6 +48,7 @@ def test_overrides_keep_types_and_reach_nested_keys():
         ("model.hidden_size=33", "model.hidden_size (33) must be divisible by model.num_heads"),
         ("model.source=local", "model.path is required when model.source=local"),
         ("train.k=1", "train.k must be >= 2"),
+        ("train.tis_cap=2", "train.tis_cap weights policy-gradient advantages"),
         ("train.learning_rate", "must look like section.key=value"),
     ],
 )

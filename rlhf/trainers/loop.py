@@ -218,7 +218,11 @@ def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimiz
         # 5. behaviour and reference log-probs, values
         logp, ref_logp, values = _forward_batch(model, ref, sequences, attn, positions, context, c.temperature, objective.needs_values)
         logp, ref_logp = logp * response_mask, ref_logp * response_mask
-        rollout = Rollout(sequences, attn, positions, response_mask, scores, logp, ref_logp, values, context, c.k)
+        is_weight = None
+        if c.tis_cap is not None and gen.logprobs is not None:
+            # the batch was sampled by older weights: correct towards the learner's policy, truncated for variance
+            is_weight = ((logp - gen.logprobs.to(acc.device) * response_mask).sum(1)).exp().clamp(max=c.tis_cap)
+        rollout = Rollout(sequences, attn, positions, response_mask, scores, logp, ref_logp, values, context, c.k, is_weight)
         # 6. the algorithm's view of the batch
         groups, stats = objective.prepare(rollout)
         t_ref = time.perf_counter()
@@ -262,6 +266,8 @@ def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimiz
             "async/weight_version": float(gen.version),
             "lr": scheduler.get_last_lr()[0],
         })
+        if is_weight is not None:
+            stats["policy/is_weight"] = is_weight.mean().item()
         if gold is not None:
             stats["objective/gold"] = float(gold.score(texts).mean())
         reduced = acc.reduce(torch.tensor(list(stats.values()), device=acc.device), reduction="mean").tolist()

@@ -32,6 +32,13 @@ class Rollout:
     values: torch.Tensor | None  # (N, T) PPO only
     context: int  # C
     k: int
+    is_weight: torch.Tensor | None = None  # (N,) truncated importance weights of stale samples (train.tis_cap)
+
+    def weighted(self, advantages: torch.Tensor) -> torch.Tensor:
+        """Advantages (N,) or (N, T) times the sequence importance weights, when the run uses them."""
+        if self.is_weight is None:
+            return advantages
+        return advantages * (self.is_weight[:, None] if advantages.dim() == 2 else self.is_weight)
 
     def grouped(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         """Reshape (N, ...) tensors to (B, K, ...) so micro-batches select whole prompts."""
@@ -71,7 +78,7 @@ class PPO:
         if c.whiten_rewards:
             rewards = masked_whiten(rewards, r.response_mask, shift_mean=False)
         advantages, returns = ppo.gae(rewards, r.values, r.response_mask, c.gamma, c.lam)
-        advantages = masked_whiten(advantages, r.response_mask)
+        advantages = r.weighted(masked_whiten(advantages, r.response_mask))
         groups = r.grouped(old_logp=r.logp, old_values=r.values, advantages=advantages, returns=returns)
         return groups, _sequence_stats(r, kl, c)
 
@@ -99,7 +106,7 @@ class RLOO:
     def prepare(self, r: Rollout):
         kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
         rlhf_reward = r.scores - self.cfg.kl_coef * kl.sum(1)
-        advantages = rloo.rloo_advantages(rlhf_reward, r.k)
+        advantages = r.weighted(rloo.rloo_advantages(rlhf_reward, r.k))
         groups = r.grouped(old_logp_sum=(r.logp * r.response_mask).sum(1), advantages=advantages)
         return groups, _sequence_stats(r, kl, self.cfg)
 
@@ -118,7 +125,7 @@ class GRPO:
 
     def prepare(self, r: Rollout):
         kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
-        advantages = grpo.group_advantages(r.scores, r.k)
+        advantages = r.weighted(grpo.group_advantages(r.scores, r.k))
         groups = r.grouped(old_logp=r.logp, ref_logp=r.ref_logp, advantages=advantages)
         return groups, _sequence_stats(r, kl, self.cfg)
 
