@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 SECTIONS = ("data", "gold", "model", "sft", "reward", "train", "eval", "tracking")
 DEFAULT_PARAMS = Path("params.yaml")
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # measured: 16 is refused at engine start
 
 
 class ConfigError(ValueError):
@@ -186,6 +187,18 @@ class Config(_Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _check_vllm_model(self) -> Config:
+        from rlhf.trainers.presets import resolve
+
+        head_dim = self.model.hidden_size // self.model.num_heads
+        if self.model.source == "tiny" and resolve(self.train.trainer, self.train.engine)[1] != "hf" and head_dim not in VLLM_CPU_HEAD_DIMS:
+            raise ValueError(
+                f"model.hidden_size / model.num_heads = {head_dim}: vLLM's CPU attention supports head sizes "
+                f"{', '.join(map(str, VLLM_CPU_HEAD_DIMS))}; change them or use train.engine=hf"
+            )
+        return self
 
     def path(self, *parts: str) -> Path:
         """A path under data_dir: the one place stage output locations are derived."""

@@ -79,3 +79,15 @@ def test_killing_the_engine_process_stops_training_with_a_clear_error(ci_data):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_zero3_weights_are_gathered_for_the_async_engine(ci_data):
+    """Under ZeRO-3 the learner holds partitioned parameters: the snapshot must gather the full weights."""
+    cmd = [sys.executable, "-m", "rlhf.runtime", "accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero3.yaml"),
+           "--num_processes", "1", "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train",
+           "--trainer", "online_dpo_vllm", f"data_dir={ci_data}", "tracking.wandb_mode=disabled", "train.total_episodes=24"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logged = rows(ci_data)
+    assert [float(r["async/staleness"]) for r in logged] == [0.0, 1.0, 1.0]
+    assert all(float(r["timing/weight_sync_engine"]) > 0 for r in logged[1:])

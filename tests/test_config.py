@@ -49,12 +49,14 @@ def test_overrides_keep_types_and_reach_nested_keys():
         ("model.source=local", "model.path is required when model.source=local"),
         ("train.k=1", "train.k must be >= 2"),
         ("train.tis_cap=2", "train.tis_cap weights policy-gradient advantages"),
+        ("model.num_heads=4", "model.hidden_size / model.num_heads = 16: vLLM's CPU attention supports"),
         ("train.learning_rate", "must look like section.key=value"),
     ],
 )
 def test_bad_values_fail_at_load_time_naming_the_key(override, message):
+    engine = ["train.engine=vllm"] if "vLLM" in message else []
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_config(PARAMS, "ci", [override])
+        load_config(PARAMS, "ci", [override, *engine])
 
 
 def test_unknown_profile_lists_the_valid_ones():
