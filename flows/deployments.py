@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     server = start_server(args.port, log_path)
     print(f"prefect server pid {server.pid}, log {log_path}", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
     try:
         took = wait_healthy(api_url, server)
         print(f"prefect server up in {took:.1f} s: UI http://{HOST}:{args.port}  API {api_url}", flush=True)

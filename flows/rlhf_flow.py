@@ -1,21 +1,20 @@
 """The `rlhf` flow: the dvc.yaml pipeline with one trainer, recorded as a DVC experiment.
 
 One run:
-  1. a fresh git worktree of the project at HEAD (+ the checkout's uncommitted changes to tracked files, as
+  1. a temporary clone of the project at HEAD (+ the checkout's uncommitted changes to tracked files, as
      `dvc exp run` would take them), sharing the project's DVC cache, so runs never touch the user's
      checkout nor each other;
   2. params.yaml there gets the run's parameters (profile, train.trainer, overrides) and is validated with
      rlhf.config before any stage runs (a bad config fails at once, without retries);
   3. every dvc.yaml stage, in dependency order, as a `stage` task (`dvc repro --single-item <stage>`);
      stages whose inputs are unchanged come back from DVC's run-cache instead of running;
-  4. `dvc exp save --name <experiment>`: `dvc exp show` in the project lists the run with its params and
-     metrics, and `dvc exp apply <experiment>` brings its outputs into the checkout;
-  5. the worktree is removed (its outputs stay in the shared DVC cache).
+  4. `dvc exp save --name <experiment>` there, and its ref fetched into the project: `dvc exp show` lists
+     the run with its params and metrics; `dvc exp apply <experiment>` brings its outputs into the checkout;
+  5. the clone is removed (its outputs stay in the shared DVC cache).
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
@@ -31,7 +30,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.runtime import flow_run
 
-from rlhf.config import TrainConfig, load_config, parse_yaml
+from rlhf.config import ConfigError, TrainConfig, load_config, parse_yaml
 from tasks.stages import metrics_files, run_stage, stage_graph, stage_order
 
 # The trainer names come from the config schema, the one place they are defined.
@@ -82,8 +81,6 @@ def set_params(params_path: Path, profile: str | None, trainer: str, overrides: 
     with modify_yaml(params_path) as params:
         for item in items:
             if "=" not in item:
-                from rlhf.config import ConfigError
-
                 raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.k=4)")
             key, value = item.split("=", 1)
             *parents, leaf = key.strip().split(".")
@@ -97,42 +94,53 @@ def set_params(params_path: Path, profile: str | None, trainer: str, overrides: 
 
 @contextmanager
 def workspace(project: Path, name: str) -> Iterator[Path]:
-    """A temporary git worktree of `project` at HEAD plus its uncommitted tracked changes, DVC cache shared."""
-    root = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-", dir=os.environ.get("RLHF_WORKSPACES")))
+    """A temporary clone of `project` at HEAD plus its uncommitted tracked changes, DVC cache shared.
+
+    A clone (objects borrowed with --shared), not a worktree: its refs are its own, so DVC's
+    refs/exps/exec/* bookkeeping during `dvc exp save` can't collide with a `dvc exp run` in the
+    checkout; only the finished experiment's ref is fetched back (save_experiment).
+    """
+    parent = os.environ.get("RLHF_WORKSPACES")  # default: the system's temp folder
+    if parent:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-", dir=parent))
     ws = root / "repo"
-    cache_dir = _run(["dvc", "cache", "dir"], project).strip()
-    _run(["git", "worktree", "add", "--detach", str(ws), "HEAD"], project)
     try:
+        head = _run(["git", "rev-parse", "HEAD"], project).strip()
+        cache_dir = _run(["dvc", "cache", "dir"], project).strip()
+        _run(["git", "clone", "--quiet", "--shared", "--no-checkout", str(project), str(ws)], root)
+        _run(["git", "checkout", "--quiet", "--detach", head], ws)
+        for key in ("user.name", "user.email"):  # the experiment commit's author: the user's identity
+            value = subprocess.run(["git", "config", key], cwd=project, capture_output=True, text=True).stdout.strip()
+            if value:
+                _run(["git", "config", key, value], ws)
         diff = subprocess.run(["git", "diff", "--binary", "HEAD"], cwd=project, capture_output=True, check=True).stdout
         if diff.strip():
             _run(["git", "apply", "--whitespace=nowarn"], ws, stdin=diff)
         _run(["dvc", "config", "--local", "cache.dir", cache_dir], ws)
         yield ws
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(ws)], cwd=project, capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
-        subprocess.run(["git", "worktree", "prune"], cwd=project, capture_output=True)
 
 
-@task(name="dvc exp save", cache_policy=NONE)
+@task(name="dvc exp save", task_run_name="dvc exp save", cache_policy=NONE)
 def save_experiment(project: str, ws: str, name: str, stages: list[str]) -> str:
-    """`dvc exp save` the workspace as experiment `name`, with dvc.lock and the metrics/plots files.
+    """`dvc exp save` the workspace as experiment `name` and fetch its ref into the project.
 
-    The metrics and plots files are `cache: false` outputs that git ignores; `-I` includes them in the
-    experiment commit so `dvc exp show` / `dvc plots diff` can read them. A lock serialises saves of
-    concurrent runs (they share the project's git refs).
+    dvc.lock and the metrics/plots files go in: they are `cache: false` outputs that git ignores, and `-I`
+    puts them in the experiment commit so `dvc exp show` / `dvc plots diff` can read them. Returns the ref.
     """
     ws_path = Path(ws)
-    lock = Path(project) / ".dvc" / "tmp" / "rlhf-exp-save.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
     files = ["dvc.lock", *(f for s in stages for f in metrics_files(ws_path / "dvc.yaml", s))]
     files += [str(p.relative_to(ws_path)) for p in sorted((ws_path / "data" / "plots").glob("*.csv"))]
     includes = [arg for f in dict.fromkeys(files) if (ws_path / f).exists() for arg in ("-I", f)]
-    with lock.open("w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        out = _run(["dvc", "exp", "save", "--name", name, *includes], ws_path)
-    get_run_logger().info(out.strip())
-    return name
+    out = _run(["dvc", "exp", "save", "--name", name, *includes], ws_path)
+    refs = _run(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], ws_path).split()
+    ref = next(r for r in refs if r.endswith(f"/{name}") and not r.startswith("refs/exps/exec/"))
+    # Fetching creates the ref (refusing to overwrite an existing one) and copies the commit's objects.
+    _run(["git", "fetch", "--quiet", "--no-tags", str(ws_path), f"{ref}:{ref}"], Path(project))
+    get_run_logger().info("%s (%s)", out.strip(), ref)
+    return ref
 
 
 @flow(name="rlhf", description="The dvc.yaml pipeline with one trainer, saved as a DVC experiment.")
@@ -147,15 +155,16 @@ def rlhf(trainer: Trainer = "online_dpo", profile: str | None = None, overrides:
     logger = get_run_logger()
     project = project_dir()
     name = experiment or experiment_name(trainer, flow_run.get_name())
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", name) or name.endswith((".", ".lock")):
+        raise ValueError(f"experiment name {name!r}: use letters, digits, '.', '_' and '-' (it becomes a git ref)")
     if name in existing_experiments(project):
         raise ValueError(f"experiment {name!r} already exists in {project}; pick another `experiment` name")
-    graph = stage_graph(project / "dvc.yaml")
-    stages = stage_order(graph)
-    logger.info("project %s, experiment %s, stages %s", project, name, " -> ".join(stages))
     with workspace(project, name) as ws:
         set_params(ws / "params.yaml", profile, trainer, list(overrides or []))
         cfg = load_config(ws / "params.yaml")  # a bad parameter fails here, before any stage (no retry)
-        logger.info("workspace %s: profile %s, trainer %s", ws, cfg.profile, cfg.train.trainer)
+        graph = stage_graph(ws / "dvc.yaml")  # the run's dvc.yaml: HEAD plus the checkout's edits
+        stages = stage_order(graph)
+        logger.info("experiment %s of %s in %s: profile %s, trainer %s, stages %s", name, project, ws, cfg.profile, cfg.train.trainer, " -> ".join(stages))
         futures, metrics = {}, {}
         for stage in stages:
             futures[stage] = run_stage.submit(stage, str(ws), wait_for=[futures[u] for u in graph[stage]])

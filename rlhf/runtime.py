@@ -13,7 +13,6 @@ OFFLINE_ENV = {
     "HF_DATASETS_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
-    "WANDB_MODE": "offline",
     "WANDB_SILENT": "true",
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DVC_NO_ANALYTICS": "1",
@@ -45,7 +44,8 @@ CACHE_ENV = {
 def configure() -> None:
     """Set the offline/quiet environment (without overriding what the user set) and one torch thread.
 
-    GPU users who want the hub unset HF_HUB_OFFLINE before running; online W&B needs WANDB_MODE=online.
+    GPU users who want the hub set HF_HUB_OFFLINE=0; W&B runs offline unless WANDB_API_KEY is set
+    (rlhf/tracking.py).
     """
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)

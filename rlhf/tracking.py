@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rlhf.config import Config, save_config
 from rlhf.io import write_json
 
 STEP = "train/episode"
+COMPLETION_COLUMNS = ["prompt", "completion", "reward", "gold"]
+
+
+def wandb_mode(setting: str, env: Mapping[str, str]) -> str:
+    """The W&B mode for `tracking.wandb_mode=setting`: offline by default, online once the user gives a key.
+
+    "online"/"disabled" are taken as they are. For "offline" (the default) an explicit WANDB_MODE wins;
+    otherwise a WANDB_API_KEY makes the run online. Offline runs land in $WANDB_DIR (.cache/wandb) and can be
+    uploaded later with `wandb sync`.
+    """
+    if setting != "offline":
+        return setting
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"]
+    return "online" if env.get("WANDB_API_KEY") else "offline"
 
 
 class Tracker:
@@ -26,7 +42,7 @@ class Tracker:
         if cfg.tracking.wandb_mode != "disabled":
             import wandb
 
-            mode = os.environ.get("WANDB_MODE", cfg.tracking.wandb_mode) if cfg.tracking.wandb_mode == "offline" else cfg.tracking.wandb_mode
+            mode = wandb_mode(cfg.tracking.wandb_mode, os.environ)
             self.run = wandb.init(project=cfg.tracking.wandb_project, job_type=stage, mode=mode, config=cfg.model_dump(mode="json"), dir=os.environ.get("WANDB_DIR"))
             self.run.define_metric(STEP)
             self.run.define_metric("*", step_metric=STEP)
@@ -38,11 +54,22 @@ class Tracker:
         if self.run is not None:
             self.run.log(row)
 
-    def table(self, name: str, columns: list[str], data: list[list]) -> None:
-        if self.enabled and self.run is not None:
-            import wandb
+    def completions(self, episode: int, prompts: Sequence[str], completions: Sequence[str], rewards: Sequence[float], gold: Sequence[float] | None = None, max_rows: int = 16) -> None:
+        """Log a W&B table `completions` (prompt, completion, reward, gold) at `episode` on the RL axis.
 
-            self.run.log({name: wandb.Table(columns=columns, data=data)})
+        prompts: [N] (repeat each prompt for its k samples); completions/rewards/gold: [N] aligned with them.
+        gold: the gold judge's score per completion (None when no judge: the column stays empty).
+        Only the first `max_rows` rows go out: a sample to read, not a dataset.
+        """
+        if not (self.enabled and self.run is not None):
+            return
+        n = len(completions)
+        if not (len(prompts) == n == len(rewards) and (gold is None or len(gold) == n)):
+            raise ValueError(f"completions table: prompts ({len(prompts)}), completions ({n}), rewards ({len(rewards)}) and gold ({'-' if gold is None else len(gold)}) must have one entry per completion")
+        import wandb
+
+        rows = [[prompts[i], completions[i], float(rewards[i]), None if gold is None else float(gold[i])] for i in range(min(n, max_rows))]
+        self.run.log({"completions": wandb.Table(columns=COMPLETION_COLUMNS, data=rows), STEP: episode})
 
     def finish(self, final: dict) -> None:
         if not self.enabled:

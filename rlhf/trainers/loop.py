@@ -268,8 +268,9 @@ def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimiz
         })
         if is_weight is not None:
             stats["policy/is_weight"] = is_weight.mean().item()
-        if gold is not None:
-            stats["objective/gold"] = float(gold.score(texts).mean())
+        gold_scores = gold.score(texts) if gold is not None else None
+        if gold_scores is not None:
+            stats["objective/gold"] = float(gold_scores.mean())
         reduced = acc.reduce(torch.tensor(list(stats.values()), device=acc.device), reduction="mean").tolist()
         row = dict(zip(stats.keys(), reduced))
         row.update({
@@ -283,6 +284,8 @@ def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimiz
             row["timing/wait"] = t_gen - t0
         if t % cfg.tracking.log_every == 0 or t == sizes.num_batches - 1:
             tracker.log(row)
+            prompt_texts = [p for p in tokenizer.batch_decode(prompt_ids, skip_special_tokens=True) for _ in range(c.k)]
+            tracker.completions(state.episode, prompt_texts, texts, scores.tolist(), None if gold_scores is None else gold_scores.tolist())
         bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.2f}")
         if c.save_every and state.batch % c.save_every == 0 and state.batch < sizes.num_batches:
             checkpoint.save(acc, ckpt_dir, state)

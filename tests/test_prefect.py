@@ -1,0 +1,421 @@
+"""Prefect orchestration: the stage graph from dvc.yaml, params and retries, the deployments, W&B tracking,
+then a real server + `python -m flows.deployments` (what `make serve` runs) on a free loopback port in a
+temporary git+DVC copy of the project: a `ci` run of rlhf/ppo recorded as a DVC experiment, the UI seen by
+headless Chromium, Ctrl-C. Nothing here touches the project's own data/, .dvc or Prefect database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf.config import Config, ConfigError, TrackingConfig, load_config
+from rlhf.tracking import STEP, Tracker, wandb_mode
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+DEPLOYMENTS = {"ppo": "ppo", "rloo": "rloo", "online-dpo": "online_dpo", "online-dpo-vllm": "online_dpo_vllm",
+               "online-dpo-single-vllm": "online_dpo_single_vllm", "bok": "bok", "grpo": "grpo"}
+
+
+# --- the stage graph ------------------------------------------------------------------------------------
+
+def test_stage_order_follows_deps_not_file_order(tmp_path):
+    from tasks.stages import stage_graph, stage_order
+
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
+        "report": {"cmd": "x", "deps": ["out/b", "out/c"]},
+        "b": {"cmd": "x", "deps": ["out/a", "src.py"], "outs": ["out/b"]},
+        "c": {"cmd": "x", "deps": ["out/a/part.txt"], "outs": ["out/c"], "metrics": [{"m/c.json": {"cache": False}}]},
+        "a": {"cmd": "x", "outs": ["out/a"]},
+    }}, sort_keys=False))
+    graph = stage_graph(tmp_path / "dvc.yaml")
+    # c depends on a through a file inside a's output folder; src.py belongs to no stage.
+    assert graph == {"report": ["b", "c"], "b": ["a"], "c": ["a"], "a": []}
+    # a is the only stage ready; then b and c are both ready and keep file order; report needs both.
+    assert stage_order(graph) == ["a", "b", "c", "report"]
+
+
+def test_stage_cycle_is_an_error():
+    from tasks.stages import stage_order
+
+    with pytest.raises(ValueError, match="cycle"):
+        stage_order({"x": ["y"], "y": ["x"], "z": []})
+
+
+def test_real_pipeline_order_comes_from_dvc_yaml():
+    from tasks.stages import stage_graph, stage_order
+
+    declared = list(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
+    graph = stage_graph(ROOT / "dvc.yaml")
+    order = stage_order(graph)
+    assert sorted(order) == sorted(declared)
+    for stage, upstream in graph.items():
+        assert all(order.index(u) < order.index(stage) for u in upstream), (stage, upstream)
+    assert order[0] == "prepare" and order[-1] == "evaluate"
+    assert set(graph["train"]) == {"prepare", "sft", "reward", "gold"}
+
+
+# --- failures: which ones are retried --------------------------------------------------------------------
+
+@pytest.mark.parametrize(("output", "rc", "expected"), [
+    ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with 1", 255, (1, False)),
+    ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with 2", 255, (2, False)),
+    ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with -9", 255, (-9, True)),
+    ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with 137", 255, (137, True)),
+    ("ERROR: Unable to acquire lock. Most likely another DVC process is running", 255, (None, True)),
+    ("ERROR: 'dvc.yaml' is invalid", 255, (None, False)),
+    ("", -15, (None, True)),
+])
+def test_classify_failure(output, rc, expected):
+    from tasks.stages import classify_failure
+
+    assert classify_failure(output, rc) == expected
+
+
+def test_retry_condition_uses_transience():
+    from prefect.states import Completed, Failed
+
+    from tasks.stages import StageFailed, retry_if_transient
+
+    assert retry_if_transient(None, None, Failed(data=StageFailed("train", -9, True, "killed"))) is True
+    assert retry_if_transient(None, None, Failed(data=StageFailed("train", 1, False, "bad config"))) is False
+    assert retry_if_transient(None, None, Failed(data=KeyError("x"))) is False
+    assert retry_if_transient(None, None, Completed(data=1)) is False
+
+
+# --- the run's parameters --------------------------------------------------------------------------------
+
+def test_set_params_writes_overrides_and_keeps_comments(tmp_path):
+    from flows.rlhf_flow import set_params
+
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    set_params(params, "ci", "ppo", ["train.k=4", "train.learning_rate=1e-4", "eval.batch_size=8"])
+    text = params.read_text()
+    assert "# Experiment overrides on top of the profile" in text  # DVC's -S round trip keeps comments
+    raw = yaml.safe_load(text)
+    assert raw["profile"] == "ci"
+    assert raw["train"]["trainer"] == "ppo" and raw["train"]["k"] == 4 and raw["eval"] == {"batch_size": 8}
+    cfg = load_config(params)
+    assert (cfg.profile, cfg.train.trainer, cfg.train.k, cfg.eval.batch_size) == ("ci", "ppo", 4, 8)
+    assert cfg.train.learning_rate == pytest.approx(1e-4)  # a float, not the string "1e-4"
+    assert cfg.data.n_sft == 400  # still the ci profile's value underneath
+
+
+def test_bad_parameters_fail_as_config_errors(tmp_path):
+    from flows.rlhf_flow import set_params
+
+    params = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", params)
+    with pytest.raises(ConfigError, match="section.key=value"):
+        set_params(params, None, "ppo", ["train.k"])
+    set_params(params, None, "ppo", ["train.learning_rate=-1"])
+    with pytest.raises(ConfigError, match="train.learning_rate"):
+        load_config(params)
+
+
+def test_experiment_name_is_a_valid_ref():
+    from flows.rlhf_flow import experiment_name
+
+    assert experiment_name("online_dpo_vllm", "crimson fox!") == "online-dpo-vllm-crimson-fox"
+    assert experiment_name("ppo", None) == "ppo-run"
+
+
+def test_one_deployment_per_trainer_with_a_paused_schedule():
+    from flows.deployments import deployments
+
+    deps = {d.name: d for d in deployments()}
+    assert set(deps) == set(DEPLOYMENTS)
+    for name, trainer in DEPLOYMENTS.items():
+        assert deps[name].parameters == {"trainer": trainer}
+        assert deps[name].entrypoint == "flows.rlhf_flow.rlhf"
+    scheduled = [d for d in deps.values() if d.schedules]
+    assert scheduled and all(not s.active for d in scheduled for s in d.schedules)
+
+
+# --- no Prefect below the flow ---------------------------------------------------------------------------
+
+def test_rlhf_package_never_imports_prefect():
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "rlhf").rglob("*.py")
+                 if re.search(r"^\s*(import|from)\s+(prefect|flows|tasks)\b", p.read_text(), re.M)]
+    assert offenders == []
+    # Import the CLI and every stage module with prefect made unimportable, then resolve a config with a
+    # Prefect API URL that nothing answers: no hidden dependency on a server.
+    code = """
+import importlib, pkgutil, sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] == 'prefect':
+            raise ImportError('prefect imported by ' + name)
+sys.meta_path.insert(0, Block())
+import rlhf.cli, rlhf.stages
+for m in pkgutil.iter_modules(rlhf.stages.__path__):
+    importlib.import_module('rlhf.stages.' + m.name)
+assert rlhf.cli.main(['--params', sys.argv[1], '--profile', 'ci', 'config']) == 0
+print('NO-PREFECT-OK', len(rlhf.cli.available_stages()))
+"""
+    env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{_free_port()}/api"}
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "params.yaml")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "NO-PREFECT-OK 7" in proc.stdout
+
+
+@pytest.mark.timeout(180)
+def test_dvc_repro_runs_a_stage_without_prefect(tmp_path):
+    """`dvc repro` of a real stage with a `prefect` package that refuses to import, and no server."""
+    repo = _make_repo(tmp_path / "project")
+    stub = tmp_path / "stub" / "prefect"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('a stage imported prefect')\n")
+    env = {**_base_env(tmp_path), "PYTHONPATH": str(stub.parent), "PREFECT_API_URL": f"http://127.0.0.1:{_free_port()}/api"}
+    _run(["sed", "-i", "s/^profile: .*/profile: ci/", "params.yaml"], repo, env)
+    out = _run(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
+    assert "Running stage 'prepare'" in out
+    assert json.loads((repo / "data/metrics/prepare.json").read_text())
+
+
+# --- W&B -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("setting", "env", "expected"), [
+    ("offline", {"WANDB_MODE": "offline"}, "offline"),
+    ("offline", {}, "offline"),
+    ("offline", {"WANDB_API_KEY": "k"}, "online"),  # a key switches the default online
+    ("offline", {"WANDB_MODE": "offline", "WANDB_API_KEY": "k"}, "offline"),  # ... unless asked to stay offline
+    ("offline", {"WANDB_MODE": "disabled", "WANDB_API_KEY": "k"}, "disabled"),
+    ("online", {"WANDB_MODE": "offline"}, "online"),
+    ("disabled", {"WANDB_API_KEY": "k"}, "disabled"),
+])
+def test_wandb_mode(setting, env, expected):
+    assert wandb_mode(setting, env) == expected
+
+
+@pytest.mark.timeout(120)
+def test_completions_table_lands_in_the_offline_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    (tmp_path / "wandb").mkdir()
+    tracker = Tracker(Config(profile="test", data_dir=str(tmp_path / "data"), tracking=TrackingConfig(wandb_mode="offline")), "train")
+    tracker.log({STEP: 8, "objective/scores": 0.5})
+    tracker.completions(8, ["a film", "a film", "the plot"], ["that shines", "that bores", "drags"], [0.5, -0.25, 1.0], [0.875, 0.125, 0.5], max_rows=2)
+    with pytest.raises(ValueError, match="one entry per completion"):
+        tracker.completions(8, ["a film"], ["x", "y"], [0.0, 1.0])
+    tracker.finish({"final/objective/scores": 0.5})
+    tables = list((tmp_path / "wandb").glob("wandb/offline-run-*/files/media/table/completions_*.table.json"))
+    assert len(tables) == 1
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["prompt", "completion", "reward", "gold"]
+    assert table["data"] == [["a film", "that shines", 0.5, 0.875], ["a film", "that bores", -0.25, 0.125]]  # max_rows=2
+
+
+# --- a real server, the deployments, a run ---------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _base_env(home: Path) -> dict:
+    """The suite's offline env with every cache of the run under `home` (never the project's .cache)."""
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(home / "prefect"),
+            "WANDB_DIR": str(home / "wandb"), "RLHF_WORKSPACES": str(home / "workspaces"), "DVC_NO_ANALYTICS": "1"}
+
+
+def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 60) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd}: {proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def _make_repo(path: Path) -> Path:
+    """A git+DVC copy of the project's pipeline: dvc.yaml, params.yaml and the `rlhf` code its stages depend on."""
+    path.mkdir(parents=True)
+    for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
+        shutil.copy(ROOT / name, path / name)
+    # The stages' code is a DVC dep of theirs (the stages run the installed `rlhf`, this same code).
+    shutil.copytree(ROOT / "rlhf", path / "rlhf", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    for cmd in (["git", "init", "-q", "-b", "main"], ["git", "config", "user.name", "rlhf test"], ["git", "config", "user.email", "test@localhost"],
+                ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"], ["git", "add", "-A"], ["git", "commit", "-qm", "pipeline"]):
+        _run(cmd, path, env)
+    return path
+
+
+def _api(api_url: str, route: str, body: dict | None = None):
+    req = urllib.request.Request(f"{api_url}{route}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _healthy(api_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("prefect-home")
+
+
+@pytest.fixture(scope="module")
+def repo(home):
+    return _make_repo(home / "project")
+
+
+@pytest.fixture(scope="module")
+def served(home, repo):
+    """`python -m flows.deployments --port P` (the `make serve` command) in the temporary project."""
+    port = _free_port()
+    env = {**_base_env(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    log = (home / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.deployments", "--port", str(port)], cwd=repo, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    api_url = env["PREFECT_API_URL"]
+    info = {"api_url": api_url, "port": port, "env": env, "proc": proc, "log": home / "serve.log"}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (home / "serve.log").read_text()[-3000:]
+            if _healthy(api_url) and len(_api(api_url, "/deployments/filter")) == len(DEPLOYMENTS):
+                break
+            time.sleep(1)
+        else:
+            pytest.fail("server + deployments not up in 120 s:\n" + (home / "serve.log").read_text()[-3000:])
+        info["startup_s"] = 120 - (deadline - time.monotonic())
+        found = re.search(r"prefect server pid (\d+)", (home / "serve.log").read_text())
+        info["server_pid"] = int(found.group(1))
+        yield info
+    finally:  # whatever a test left running: the runner first, then the server
+        for pgid in (proc.pid, info.get("server_pid")):
+            if pgid is not None:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        proc.wait(10)
+        log.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_server_lists_the_deployments(served):
+    deps = {d["name"]: d for d in _api(served["api_url"], "/deployments/filter")}
+    assert set(deps) == set(DEPLOYMENTS)
+    assert all(d["parameters"] == {"trainer": DEPLOYMENTS[n]} for n, d in deps.items())
+    schedules = [s for d in deps.values() for s in d["schedules"]]
+    assert schedules and not any(s["active"] for s in schedules)  # the example schedule is paused
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
+    env = served["env"]
+    # An uncommitted edit in the checkout goes into the run (as with `dvc exp run`) and stays in the checkout.
+    params = (repo / "params.yaml").read_text().replace("seed: 1234", "seed: 4321")
+    (repo / "params.yaml").write_text(params)
+    t0 = time.monotonic()
+    cli = subprocess.run(["prefect", "deployment", "run", "rlhf/ppo", "--param", "profile=ci", "--watch", "--watch-interval", "1", "--watch-timeout", "240"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=270)
+    print(f"rlhf/ppo on ci: {time.monotonic() - t0:.1f} s")
+    runs = [r for r in _api(served["api_url"], "/flow_runs/filter") if r["parameters"] == {"trainer": "ppo", "profile": "ci"}]
+    assert len(runs) == 1
+    run = runs[0]
+    if cli.returncode != 0 or run["state_type"] != "COMPLETED":
+        logs = _api(served["api_url"], "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}})
+        pytest.fail(cli.stdout[-2000:] + "\n".join(entry["message"] for entry in logs)[-6000:])
+    tasks = _api(served["api_url"], "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}})
+    tasks.sort(key=lambda t: t["start_time"])
+    names = [t["name"] for t in tasks]
+    assert sorted(names) == sorted([*yaml.safe_load((repo / "dvc.yaml").read_text())["stages"], "dvc exp save"])
+    assert (names[0], names[-2], names[-1]) == ("prepare", "evaluate", "dvc exp save")  # every stage, deps first
+    assert all(t["state_type"] == "COMPLETED" and t["run_count"] == 1 for t in tasks)
+    train = next(t for t in tasks if t["name"] == "train")
+    logs = _api(served["api_url"], "/logs/filter", {"logs": {"task_run_id": {"any_": [train["id"]]}}})
+    assert any("rlhf train" in entry["message"] for entry in logs)  # the stage's output is in the UI
+
+    # The DVC record: `dvc exp show` lists the run with its params and metrics.
+    shown = json.loads(_run(["dvc", "exp", "show", "--json"], repo, env))
+    exps = {rev["name"]: rev["data"] for b in shown for e in (b.get("experiments") or []) for rev in e["revs"]}
+    name = f"ppo-{run['name']}"
+    assert set(exps) == {name}
+    exp_params = exps[name]["params"]["params.yaml"]["data"]
+    assert (exp_params["profile"], exp_params["train"]["trainer"], exp_params["seed"]) == ("ci", "ppo", 4321)
+    metrics = exps[name]["metrics"]
+    for stage in ("prepare", "gold", "sft", "reward", "train", "eval"):
+        assert metrics[f"data/metrics/{stage}.json"]["data"], stage
+    # W&B: the train stage's offline run, under WANDB_DIR.
+    assert list((home / "wandb").glob("wandb/offline-run-*/run-*.wandb"))
+    # The user's checkout is untouched: its own edit only, no outputs, no DVC bookkeeping refs, no workspace.
+    assert _run(["git", "status", "--porcelain"], repo, env).strip() == "M params.yaml"
+    assert (repo / "params.yaml").read_text() == params
+    assert not (repo / "data").exists()
+    assert _run(["git", "for-each-ref", "refs/exps/exec/"], repo, env).strip() == ""
+    assert list((home / "workspaces").iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bad_config_fails_at_once_without_retries(served, repo):
+    proc = subprocess.run(["prefect", "deployment", "run", "rlhf/rloo", "--param", "profile=ci", "--param", 'overrides=["train.learning_rate=-1"]',
+                           "--watch", "--watch-interval", "1", "--watch-timeout", "90"], cwd=repo, env=served["env"], capture_output=True, text=True, timeout=110)
+    assert proc.returncode != 0
+    run = next(r for r in _api(served["api_url"], "/flow_runs/filter") if r["parameters"].get("trainer") == "rloo")
+    assert run["state_type"] == "FAILED" and run["run_count"] == 1
+    assert _api(served["api_url"], "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}}) == []  # no stage ran
+    logs = _api(served["api_url"], "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}})
+    assert any("train.learning_rate" in entry["message"] for entry in logs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ui_lists_the_deployments_in_chromium(served, home):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.fail("chromium not installed: `make test` installs it (make chromium)")
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+           "--disable-component-update", "--disable-sync", f"--user-data-dir={home / 'chromium'}", "--virtual-time-budget=15000"]
+    url = f"http://127.0.0.1:{served['port']}/deployments"
+    dom = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
+    for name in DEPLOYMENTS:  # each deployment is a link named after it (the UI rendered the API's list)
+        assert re.search(rf">\s*{re.escape(name)}\s*</a>", dom), name
+    subprocess.run([*cmd, "--window-size=1400,900", f"--screenshot={home / 'deployments.png'}", url], capture_output=True, timeout=90)
+    assert (home / "deployments.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_ctrl_c_stops_runner_then_server(served):
+    proc = served["proc"]
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to `make serve`'s process group
+    assert proc.wait(40) == 0
+    assert not _healthy(served["api_url"])
+    with pytest.raises(ProcessLookupError):
+        os.kill(served["server_pid"], 0)
+    log = served["log"].read_text()
+    assert log.index("Received KeyboardInterrupt") < log.index("stopping the prefect server") < log.index("stopped")
+
+
+@pytest.mark.timeout(60)
+def test_deployment_run_without_server_is_prefects_error(tmp_path):
+    env = {**_base_env(tmp_path), "PREFECT_API_URL": f"http://127.0.0.1:{_free_port()}/api"}
+    proc = subprocess.run(["prefect", "deployment", "run", "rlhf/ppo"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+    assert proc.returncode != 0
+    assert "ConnectError" in proc.stdout + proc.stderr
