@@ -32,11 +32,15 @@ CACHE_ENV = {
     "TORCH_EXTENSIONS_DIR": "torch_extensions",
     "VLLM_CACHE_ROOT": "vllm",
     "PREFECT_HOME": "prefect",
+    "PREFECT_MEMO_STORE_PATH": "prefect/memo_store.toml",  # defaults to ~/.prefect, not PREFECT_HOME
     "WANDB_DIR": "wandb",
     "WANDB_CACHE_DIR": "wandb/cache",
     "WANDB_CONFIG_DIR": "wandb/config",
     "TRITON_CACHE_DIR": "triton",
+    "WANDB_DATA_DIR": "wandb/data",  # defaults to ~/.local/share/wandb
     "XDG_CACHE_HOME": "xdg",
+    "XDG_CONFIG_HOME": "xdg-config",  # DVC's telemetry id, chromium profiles
+    "XDG_DATA_HOME": "xdg-data",
     "MPLCONFIGDIR": "matplotlib",
 }
 

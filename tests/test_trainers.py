@@ -100,3 +100,16 @@ def test_deepspeed_two_processes_train_and_save_a_reloadable_policy(ci_data, zer
     sft = AutoModelForCausalLM.from_pretrained(ci_data / "sft")
     assert set(model.state_dict()) == set(sft.state_dict())
     assert all(model.state_dict()[k].shape == v.shape for k, v in sft.state_dict().items())
+
+
+def test_a_run_writes_nothing_into_the_users_home(ci_data, tmp_path):
+    """Caches, W&B (offline) and telemetry ids stay in the project's folders (rlhf/runtime.py)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "PREFECT_", "XDG_", "TORCH_", "VLLM_", "DVC_"))}
+    env["HOME"] = str(home)
+    cmd = [sys.executable, "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train", f"data_dir={ci_data}",
+           "tracking.wandb_mode=offline"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []
