@@ -55,32 +55,34 @@ def _flat(mb: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
     return [mb[n].flatten(0, 1) for n in names]
 
 
-def _sequence_stats(r: Rollout, kl: torch.Tensor, cfg: TrainConfig) -> dict[str, float]:
-    seq_kl = (kl * r.response_mask).sum(1)
+def _kl_and_stats(r: Rollout, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token KL to the reference (N, T), 0 on padding, and the sequence-level objective/* stats."""
+    kl = kl_penalty(r.logp, r.ref_logp, cfg.kl_estimator) * r.response_mask
+    seq_kl = kl.sum(1)
     non_score = -cfg.kl_coef * seq_kl
-    return {
+    stats = {
         "objective/kl": seq_kl.mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
         "objective/rlhf_reward": (r.scores + non_score).mean().item(),
     }
+    return kl, stats
 
 
+@dataclass
 class PPO:
+    cfg: TrainConfig
     needs_values = True
-
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
 
     def prepare(self, r: Rollout):
         c = self.cfg
-        kl = kl_penalty(r.logp, r.ref_logp, c.kl_estimator) * r.response_mask
+        kl, stats = _kl_and_stats(r, c)
         rewards, _ = ppo.token_rewards(r.scores, kl, r.response_mask, c.kl_coef)
         if c.whiten_rewards:
             rewards = masked_whiten(rewards, r.response_mask, shift_mean=False)
         advantages, returns = ppo.gae(rewards, r.values, r.response_mask, c.gamma, c.lam)
         advantages = r.weighted(masked_whiten(advantages, r.response_mask))
         groups = r.grouped(old_logp=r.logp, old_values=r.values, advantages=advantages, returns=returns)
-        return groups, _sequence_stats(r, kl, c)
+        return groups, stats
 
     def loss(self, model, mb):
         seq, attn, pos, mask, old_logp, old_values, adv, ret = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp", "old_values", "advantages", "returns")
@@ -97,18 +99,17 @@ class PPO:
         return pg_loss + self.cfg.vf_coef * vf_loss, stats
 
 
+@dataclass
 class RLOO:
+    cfg: TrainConfig
     needs_values = False
 
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-
     def prepare(self, r: Rollout):
-        kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
+        kl, stats = _kl_and_stats(r, self.cfg)
         rlhf_reward = r.scores - self.cfg.kl_coef * kl.sum(1)
         advantages = r.weighted(rloo.rloo_advantages(rlhf_reward, r.k))
         groups = r.grouped(old_logp_sum=(r.logp * r.response_mask).sum(1), advantages=advantages)
-        return groups, _sequence_stats(r, kl, self.cfg)
+        return groups, stats
 
     def loss(self, model, mb):
         seq, attn, pos, mask, old_sum, adv = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp_sum", "advantages")
@@ -117,17 +118,16 @@ class RLOO:
         return loss, {**_named("policy", stats), "loss/policy": loss.item()}
 
 
+@dataclass
 class GRPO:
+    cfg: TrainConfig
     needs_values = False
 
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-
     def prepare(self, r: Rollout):
-        kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
+        _, stats = _kl_and_stats(r, self.cfg)
         advantages = r.weighted(grpo.group_advantages(r.scores, r.k))
         groups = r.grouped(old_logp=r.logp, ref_logp=r.ref_logp, advantages=advantages)
-        return groups, _sequence_stats(r, kl, self.cfg)
+        return groups, stats
 
     def loss(self, model, mb):
         seq, attn, pos, mask, old_logp, ref_logp, adv = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp", "ref_logp", "advantages")
@@ -142,22 +142,20 @@ def _select(mb: dict[str, torch.Tensor], name: str, index: torch.Tensor) -> torc
     return t[torch.arange(len(t)), index]
 
 
+@dataclass
 class OnlineDPO:
     """Best vs worst of k samples, ranked by reward; ties are dropped (the original trained on them)."""
 
+    cfg: TrainConfig
     needs_values = False
 
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-
     def prepare(self, r: Rollout):
-        kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
+        _, stats = _kl_and_stats(r, self.cfg)
         chosen, rejected, valid = dpo.select_pairs(r.scores, r.k)
         ref_sum = (r.ref_logp * r.response_mask).sum(1)
         # global row index -> index within its group of K
         groups = r.grouped(ref_sum=ref_sum)
         groups.update(chosen=chosen % r.k, rejected=rejected % r.k, valid=valid)
-        stats = _sequence_stats(r, kl, self.cfg)
         stats["objective/scores_margin"] = (r.scores[chosen] - r.scores[rejected]).mean().item()
         stats["objective/valid_pairs"] = valid.float().mean().item()
         return groups, stats
@@ -177,20 +175,18 @@ class OnlineDPO:
         return loss, out
 
 
+@dataclass
 class BestOfK:
     """SFT on the best of k samples: the paper's control for DPO seeing two samples per prompt."""
 
+    cfg: TrainConfig
     needs_values = False
 
-    def __init__(self, cfg: TrainConfig):
-        self.cfg = cfg
-
     def prepare(self, r: Rollout):
-        kl = kl_penalty(r.logp, r.ref_logp, self.cfg.kl_estimator) * r.response_mask
+        _, stats = _kl_and_stats(r, self.cfg)
         best, valid = bok.select_best(r.scores, r.k)
         groups = r.grouped()
         groups.update(best=best % r.k, valid=valid)
-        stats = _sequence_stats(r, kl, self.cfg)
         stats["objective/valid_pairs"] = valid.float().mean().item()
         return groups, stats
 
