@@ -32,7 +32,8 @@ CACHE_ENV = {
     "TORCH_EXTENSIONS_DIR": "torch_extensions",
     "VLLM_CACHE_ROOT": "vllm",
     "PREFECT_HOME": "prefect",
-    "PREFECT_MEMO_STORE_PATH": "prefect/memo_store.toml",  # defaults to ~/.prefect, not PREFECT_HOME
+    "PREFECT_MEMO_STORE_PATH": "prefect/memo_store.toml",  # these two default to ~/.prefect, not PREFECT_HOME
+    "PREFECT_LOCAL_STORAGE_PATH": "prefect/storage",
     "WANDB_DIR": "wandb",
     "WANDB_CACHE_DIR": "wandb/cache",
     "WANDB_CONFIG_DIR": "wandb/config",
