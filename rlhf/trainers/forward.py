@@ -35,6 +35,16 @@ def response_logprobs(
     return logp, entropy
 
 
+def response_logprobs_and_values(
+    wrapper: nn.Module, sequences: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, context: int, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of a PolicyAndValueWrapper: log-probs (n, T) of the response tokens and the value of the
+    state before each of them (n, T)."""
+    logits, values = wrapper(input_ids=sequences, attention_mask=attn, position_ids=positions)
+    logp = logprobs_from_logits(logits[:, context - 1 : -1].float(), sequences[:, context:], temperature)
+    return logp, values[:, context - 1 : -1]
+
+
 def scalar_head(model: nn.Module, sequences: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Per-position scalar (n, L) of a sequence-classification model (backbone + `score` head)."""
     hidden = model.base_model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False).last_hidden_state

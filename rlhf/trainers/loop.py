@@ -20,11 +20,11 @@ from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from rlhf.algorithms.common import apply_missing_eos_penalty, logprobs_from_logits, truncate_after_eos
+from rlhf.algorithms.common import apply_missing_eos_penalty, truncate_after_eos
 from rlhf.config import Config, TrainConfig
 from rlhf.generation.base import SamplingParams, pad_left
 from rlhf.trainers import checkpoint
-from rlhf.trainers.forward import PolicyAndValueWrapper, attention_and_positions, response_logprobs
+from rlhf.trainers.forward import PolicyAndValueWrapper, attention_and_positions, response_logprobs, response_logprobs_and_values
 from rlhf.trainers.objectives import OBJECTIVES, Rollout
 from rlhf.trainers.presets import resolve
 from rlhf.tracking import Tracker
@@ -139,9 +139,9 @@ def _forward_batch(model, ref, sequences, attn, positions, context, temperature,
     for i in range(0, len(sequences), chunk):
         s = slice(i, i + chunk)
         if needs_values:
-            logits, v = model(input_ids=sequences[s], attention_mask=attn[s], position_ids=positions[s])
-            logps.append(logprobs_from_logits(logits[:, context - 1 : -1].float(), sequences[s, context:], temperature))
-            values.append(v[:, context - 1 : -1])
+            logp, v = response_logprobs_and_values(model, sequences[s], attn[s], positions[s], context, temperature)
+            logps.append(logp)
+            values.append(v)
         else:
             logps.append(response_logprobs(model, sequences[s], attn[s], positions[s], context, temperature)[0])
         refs.append(response_logprobs(ref, sequences[s], attn[s], positions[s], context, temperature)[0])

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.algorithms import bok, dpo, grpo, ppo, rloo
-from rlhf.algorithms.common import kl_penalty, logprobs_from_logits, masked_mean, masked_whiten
+from rlhf.algorithms.common import kl_penalty, masked_mean, masked_whiten
 from rlhf.config import TrainConfig
-from rlhf.trainers.forward import response_logprobs
+from rlhf.trainers.forward import response_logprobs, response_logprobs_and_values
 
 
 @dataclass
@@ -87,9 +87,7 @@ class PPO:
     def loss(self, model, mb):
         seq, attn, pos, mask, old_logp, old_values, adv, ret = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp", "old_values", "advantages", "returns")
         context = seq.shape[1] - mask.shape[1]
-        logits, values = model(input_ids=seq, attention_mask=attn, position_ids=pos)
-        logp = logprobs_from_logits(logits[:, context - 1 : -1].float(), seq[:, context:], self.cfg.temperature)
-        values = values[:, context - 1 : -1]
+        logp, values = response_logprobs_and_values(model, seq, attn, pos, context, self.cfg.temperature)
         pg_loss, pg_stats = ppo.policy_loss(logp, old_logp, adv, mask, self.cfg.cliprange)
         vf_loss, vf_stats = ppo.value_loss(values, old_values, ret, mask, self.cfg.cliprange_value)
         var_ret = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
