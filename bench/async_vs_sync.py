@@ -1,9 +1,11 @@
 """Online DPO three ways on the same episodes: sync HF generate, vLLM colocated, vLLM asynchronous (N=1).
 
 Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`). Usage:
-    .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [key=value ...]
+    .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [--seeds 3] [key=value ...]
 Prints wall-clock time, episodes/s and final gold score for each, the speedups and the ideal overlap of the
-sync run, and writes them to bench/metrics/async_vs_sync.json (a DVC metrics file).
+sync run, and writes them to bench/metrics/async_vs_sync.json (a DVC metrics file). Gold differences between
+two runs of 1,024 episodes are a few points from sampling alone, so sync and async run with several seeds
+(the colocated run with the first) and the gold gap is a mean over seeds, with its standard error.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -51,18 +54,29 @@ def eval_gold(cfg, n_prompts: int = 512) -> float:
 def main() -> None:
     from rlhf import runtime
     from rlhf.config import load_config
-    from rlhf.io import write_json
-    from rlhf.trainers.loop import train
 
     runtime.configure()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="tiny")
+    ap.add_argument("--seeds", type=int, default=3, help="sync and async runs per seed (seed, seed+1, ...)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    base = load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
+    per_seed = [run_all(args, base + i, RUNS if i == 0 else {k: v for k, v in RUNS.items() if k != "vllm_colocated"}) for i in range(args.seeds)]
+    results = per_seed[0]
+    gaps = [100 * (r["vllm_async"]["final_gold"] - r["sync_hf"]["final_gold"]) for r in per_seed]
+    speedups = [r["sync_hf"]["loop_seconds"] / r["vllm_async"]["loop_seconds"] for r in per_seed]
+    summarise(args, results, gaps, speedups)
+
+
+def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
+    from rlhf.config import load_config
+    from rlhf.trainers.loop import train
+
     results = {}
-    for name, trainer in RUNS.items():
+    for name, trainer in runs.items():
         data = scratch_data(ROOT / "data", ROOT / "bench" / "out" / name / "data")
-        cfg = load_config(ROOT / "params.yaml", args.profile, [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", *args.overrides])
+        cfg = load_config(ROOT / "params.yaml", args.profile, [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", f"seed={seed}", *args.overrides])
         start = time.perf_counter()
         train(cfg)
         wall = time.perf_counter() - start
@@ -79,6 +93,13 @@ def main() -> None:
             "final_gold": eval_gold(cfg),
             "max_staleness_seen": max(float(r["async/staleness"]) for r in rows),
         }
+        print(f"seed {seed} {name}: loop {results[name]['loop_seconds']:.1f} s, gold {results[name]['final_gold']:.3f}", flush=True)
+    return results
+
+
+def summarise(args, results: dict[str, dict], gaps: list[float], speedups: list[float]) -> None:
+    from rlhf.io import write_json
+
     sync = results["sync_hf"]
     ideal = (sync["generation_seconds"] + sync["learner_seconds"]) / max(sync["generation_seconds"], sync["learner_seconds"])
     summary = {
@@ -86,10 +107,13 @@ def main() -> None:
         "speedup_async_vs_sync": sync["loop_seconds"] / results["vllm_async"]["loop_seconds"],
         "speedup_colocated_vs_sync": sync["loop_seconds"] / results["vllm_colocated"]["loop_seconds"],
         "speedup_async_vs_colocated": results["vllm_colocated"]["loop_seconds"] / results["vllm_async"]["loop_seconds"],
-        "gold_async_minus_sync_points": 100 * (results["vllm_async"]["final_gold"] - sync["final_gold"]),
+        "gold_async_minus_sync_points": statistics.mean(gaps),
+        "gold_async_minus_sync_points_stderr": statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan"),
+        "speedup_async_vs_sync_mean_over_seeds": statistics.mean(speedups),
+        "seeds": len(gaps),
     }
     summary["async_speedup_fraction_of_ideal"] = summary["speedup_async_vs_sync"] / ideal
-    print(f"\nonline DPO, profile {args.profile}, {cfg.train.total_episodes} episodes (torch threads: {torch.get_num_threads()})")
+    print(f"\nonline DPO, profile {args.profile}, {args.seeds} seed(s) (table: the first) (torch threads: {torch.get_num_threads()})")
     print(f"{'run':<16}{'wall s':>9}{'loop s':>9}{'eps':>8}{'gen s':>8}{'learner s':>11}{'gold':>7}{'stale':>7}")
     for name, r in results.items():
         print(f"{name:<16}{r['wall_seconds']:>9.1f}{r['loop_seconds']:>9.1f}{r['episodes_per_second']:>8.2f}{r['generation_seconds']:>8.1f}"

@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="prompts per batch")
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="max new tokens")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' precision")
     ap.add_argument("--data", default=str(ROOT / "data" / "prepared"))
     args = ap.parse_args()
 
@@ -78,8 +79,8 @@ def main() -> None:
     max_len = max(map(len, ids)) + args.tokens
 
     torch.manual_seed(0)
-    hf_seconds, hf_tokens = run_engine(HFEngine(load_causal_lm(folder), tokenizer.pad_token_id, eos), batches, params, eos)
-    engine = make_vllm_engine("vllm", folder, tokenizer, 1, 0, max_len, ROOT / ".cache" / "bench" / "engine")
+    hf_seconds, hf_tokens = run_engine(HFEngine(load_causal_lm(folder, getattr(torch, args.dtype)), tokenizer.pad_token_id, eos), batches, params, eos)
+    engine = make_vllm_engine("vllm", folder, tokenizer, 1, 0, max_len, ROOT / ".cache" / "bench" / "engine", dtype=args.dtype)
     try:
         run_engine(engine, batches[:1], params, eos)  # warm-up (first-call allocations), not timed
         vllm_seconds, vllm_tokens = run_engine(engine, batches, params, eos)
@@ -94,7 +95,8 @@ def main() -> None:
     }
     result["vllm_over_hf"] = result["vllm_tokens_per_second"] / result["hf_tokens_per_second"]
     name = "smollm2" if args.model == "smollm2" else Path(args.model).name
-    print(f"\nrollouts of {folder.name}: {len(ids)} prompts x k={args.k} x <= {args.tokens} tokens, batches of {args.batch} prompts, one thread each")
+    name += "" if args.dtype == "float32" else f"_{args.dtype}"
+    print(f"\nrollouts of {folder.name}: {len(ids)} prompts x k={args.k} x <= {args.tokens} tokens, batches of {args.batch} prompts, {args.dtype}, one thread each")
     print(f"  HF generate  {result['hf_tokens_per_second']:9.1f} tokens/s  ({hf_tokens} tokens in {hf_seconds:.1f} s)")
     print(f"  vLLM         {result['vllm_tokens_per_second']:9.1f} tokens/s  ({vllm_tokens} tokens in {vllm_seconds:.1f} s; start-up {engine.start_seconds:.1f} s)")
     print(f"  vLLM / HF    {result['vllm_over_hf']:9.2f}x")

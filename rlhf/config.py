@@ -9,6 +9,8 @@ with a message naming the dotted key.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -122,6 +124,8 @@ class TrainConfig(_Section):
     non_eos_penalty: bool = Field(True, description="replace the score of samples without EOS")
     penalty_reward_value: float = Field(-1.0, description="score given to samples without EOS")
     max_staleness: int = Field(1, ge=0, description="async: how many updates old a batch's weights may be")
+    engine_dtype: Literal["float32", "bfloat16"] = Field("float32", description="vLLM engines' precision; bfloat16 samples ~2x faster on CPUs with avx512_bf16 and GPUs, the learner stays float32")
+    score_in_engine: bool = Field(True, description="vllm_async: score each batch in the engine process, overlapped with training (false: in the learner)")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling for stale vLLM batches: weight PPO/RLOO/GRPO advantages by min(pi/pi_engine, cap) per sequence; null = off")
     # --- optimisation ---
     learning_rate: float = Field(3e-4, gt=0)
@@ -140,7 +144,7 @@ class TrainConfig(_Section):
     lam: float = Field(0.95, ge=0, le=1)
     whiten_rewards: bool = Field(False)
     # --- checkpoints ---
-    save_every: int = Field(0, ge=0, description="checkpoint every N generated batches (0 = only at the end)")
+    save_every: int = Field(0, ge=0, description="checkpoint every N generated batches into data/checkpoints/train-<fingerprint> (0 = never); a re-run with the same settings resumes from the last one, and a finished run deletes them")
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -292,6 +296,13 @@ def load_config(params_path: Path | str = DEFAULT_PARAMS, profile: str | None = 
         return Config.model_validate(merged)
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
+
+
+def fingerprint(cfg: Config) -> str:
+    """A short hash of everything that decides a run's results (not where it lives or how it logs): a
+    checkpoint is resumed only by a run with the same fingerprint."""
+    settings = cfg.model_dump(mode="json", exclude={"data_dir", "tracking"})
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def save_config(cfg: Config, path: Path | str) -> None:

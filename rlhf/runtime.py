@@ -62,6 +62,16 @@ def configure() -> None:
     torch.set_num_threads(int(os.environ.get("RLHF_TORCH_THREADS", "1")))
 
 
+def crash_point(name: str, index: int) -> None:
+    """Fault injection for the resume tests: RLHF_CRASH_AT=name:index SIGKILLs this process here, the way
+    an OOM kill or a pulled plug would. Points: after_update:<batch> (optimizer stepped, nothing saved yet) and
+    checkpoint_write:<batch> (checkpoint folder half-written). Unset (always, outside tests): does nothing."""
+    if os.environ.get("RLHF_CRASH_AT") == f"{name}:{index}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m rlhf.runtime CMD ...`: run CMD in the configured environment (used by the Makefile).
 

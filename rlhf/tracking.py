@@ -31,11 +31,12 @@ def wandb_mode(setting: str, env: Mapping[str, str]) -> str:
 class Tracker:
     """Log a row of scalars per step; `finish` writes the final metrics JSON. Main process only."""
 
-    def __init__(self, cfg: Config, stage: str, enabled: bool = True):
+    def __init__(self, cfg: Config, stage: str, enabled: bool = True, rows: list[dict] | None = None, run_id: str | None = None):
+        """rows/run_id: a resumed run's history from its checkpoint; W&B continues the same run."""
         self.enabled = enabled
         self.plot_path = cfg.path("plots", f"{stage}.csv")
         self.metrics_path = cfg.path("metrics", f"{stage}.json")
-        self.rows: list[dict] = []
+        self.rows: list[dict] = list(rows or [])
         self.run = None
         if not enabled:
             return
@@ -43,9 +44,14 @@ class Tracker:
             import wandb
 
             mode = wandb_mode(cfg.tracking.wandb_mode, os.environ)
-            self.run = wandb.init(project=cfg.tracking.wandb_project, job_type=stage, mode=mode, config=cfg.model_dump(mode="json"), dir=os.environ.get("WANDB_DIR"))
+            self.run = wandb.init(project=cfg.tracking.wandb_project, job_type=stage, mode=mode, config=cfg.model_dump(mode="json"),
+                                  dir=os.environ.get("WANDB_DIR"), id=run_id, resume="allow" if run_id else None)
             self.run.define_metric(STEP)
             self.run.define_metric("*", step_metric=STEP)
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.run is None else self.run.id
 
     def log(self, row: dict) -> None:
         if not self.enabled:

@@ -91,3 +91,18 @@ def test_zero3_weights_are_gathered_for_the_async_engine(ci_data):
     logged = rows(ci_data)
     assert [float(r["async/staleness"]) for r in logged] == [0.0, 1.0, 1.0]
     assert float(logged[2]["timing/weight_sync_engine"]) > 0  # batch 2 is the first sampled after a sync (v1)
+
+
+def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
+    """train.score_in_engine moves the reward model's forward into the engine process: same numbers, overlapped."""
+    import shutil
+
+    other = tmp_path / "learner_scores"
+    shutil.copytree(ci_data, other, symlinks=True)
+    train(ci_config(ci_data, "train.trainer=online_dpo_vllm", "train.total_episodes=24"))
+    train(ci_config(other, "train.trainer=online_dpo_vllm", "train.total_episodes=24", "train.score_in_engine=false"))
+    in_engine, in_learner = rows(ci_data), rows(other)
+    assert all(float(r["timing/scoring_engine"]) > 0 for r in in_engine)
+    assert "timing/scoring_engine" not in in_learner[0]
+    for key in ("objective/scores", "objective/kl", "objective/gold", "loss/policy"):
+        assert [float(r[key]) for r in in_engine] == pytest.approx([float(r[key]) for r in in_learner], rel=1e-5), key

@@ -12,7 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import ROOT, ci_config
-from rlhf.trainers import checkpoint
 from rlhf.trainers.loop import Sizes, batch_prompts, train
 from rlhf.trainers.presets import PRESETS
 
@@ -69,22 +68,6 @@ def test_prompt_batches_are_disjoint_within_an_epoch_and_pure_functions_of_the_s
     epoch0 = [p[0] for t in range(2) for rank in range(2) for p in batch_prompts(prompts, t, sizes, rank, 0)]
     assert sorted(epoch0) == list(range(12))
     assert batch_prompts(prompts, 3, sizes, 1, 0) == batch_prompts(prompts, 3, sizes, 1, 0)
-
-
-def test_mid_run_checkpoint_is_complete_and_training_continues_from_it(ci_data):
-    cfg = ci_config(ci_data, "train.trainer=ppo", "train.save_every=1")
-    train(cfg)
-    ckpt = checkpoint.latest(ci_data / "train" / "checkpoints")
-    assert ckpt is not None and ckpt.name == "batch-000001"
-    names = {p.name for p in ckpt.iterdir()}
-    assert {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "trainer_state.json"} <= names
-    state = checkpoint.LoopState(**__import__("json").loads((ckpt / "trainer_state.json").read_text()))
-    assert (state.batch, state.episode, state.global_step) == (1, 8, 2)
-    # a second run picks the checkpoint up and trains only the remaining batch
-    os.remove(ci_data / "plots" / "train.csv")
-    train(cfg)
-    rows = read_rows(ci_data)
-    assert [int(float(r["train/episode"])) for r in rows] == [16]
 
 
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])

@@ -254,9 +254,11 @@ def test_async_loop_protocol_staleness_order_and_snapshots(policy, request, n):
             for p, v in zip(model.parameters(), states[t + 1].values()):
                 p.copy_(v)
     print(f"\nasync N={n}: last batch {gen.seconds:.3f} s generating, stats {stats}")
-    # snapshots of versions the engine has moved past are deleted: at most the one it holds (acknowledged
-    # before batch 4, version 4-N) and the newer ones 5-N..5 remain
-    assert len(list(engine.work_dir.glob("policy-*"))) <= n + 2
+    # old snapshots are deleted: once the engine acknowledges version v, versions < v-N go (the N before v are
+    # the weights of batches in flight, which a checkpoint keeps). It acknowledged at least 4-N before batch 4,
+    # so versions 4-2N..5 at most remain
+    assert len(list(engine.work_dir.glob("policy-*"))) <= 2 * n + 2
+    assert set(engine.weights_in_flight(5)) == set(range(max(1, 5 - n), 5))
 
 
 def test_async_engine_error_is_raised_with_its_text(policy, async1):

@@ -22,10 +22,16 @@ engine handles messages in order, so batch t is sampled with version >= t-N: sta
 Weights: load_weights snapshots the trainer's weights between optimizer steps (see vllm.snapshot_state_dict),
 writes them atomically to a NEW folder per version, and only enqueues the message; the trainer never waits for
 the engine's reload, and the engine only ever sees complete folders. Folders of older versions are deleted once
-the engine acknowledges a newer one.
+the engine acknowledges a version N newer: the last N+1 stay, the weights of the batches still in flight, which
+a checkpoint keeps (`weights_in_flight`) and a resume puts back (`load_snapshot`) so a resumed run samples
+every batch with the same version as an uninterrupted one.
+
+Scoring: given a RewardSpec, the engine process also scores each batch (post-processed exactly as the learner
+would, with the same code) right after sampling it, so the reward model's forward overlaps training too.
 
 Timing, `stats()` after each receive, for the batch just received:
   timing/engine_idle          seconds the engine waited for work since it sent the previous batch
+  timing/scoring_engine       seconds the engine spent scoring the batch (when it scores)
   timing/weight_sync_engine   seconds the engine spent in reload_weights since the previous batch
   timing/weight_snapshot      seconds the trainer spent in its last load_weights (gather, clone, write)
 Generated.seconds is the engine's own generation time for the batch.
@@ -66,13 +72,15 @@ class EngineSpec:
     seed: int
     max_model_len: int
     work_dir: str
+    reward: object = None  # a rlhf.rewards.proxy.RewardSpec: score batches in the engine process
+    dtype: str = "float32"
 
 
 class AsyncEngine:
     """The Engine protocol over a VLLMEngine in its own process; lookahead = max_staleness (N >= 1)."""
 
     def __init__(self, model_folder: Path, eos_token_id: int, pad_token_id: int, seed: int, max_model_len: int,
-                 work_dir: Path, max_staleness: int, start_timeout: float = 600.0):
+                 work_dir: Path, max_staleness: int, reward=None, dtype: str = "float32", start_timeout: float = 600.0):
         if max_staleness < 1:
             raise ValueError(f"AsyncEngine: max_staleness must be >= 1, got {max_staleness}")
         self.lookahead = max_staleness
@@ -88,7 +96,7 @@ class AsyncEngine:
         self._inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
         self._stop = ctx.Event()
         reader, writer = ctx.Pipe(duplex=False)
-        spec = EngineSpec(str(model_folder), eos_token_id, pad_token_id, seed, max_model_len, str(work_dir))
+        spec = EngineSpec(str(model_folder), eos_token_id, pad_token_id, seed, max_model_len, str(work_dir), reward, dtype)
         self._proc = ctx.Process(target=engine_process_main, args=(spec, self._inbox, writer, self._stop, os.getpid()),
                                  name="rlhf-vllm-engine", daemon=False)
         self._proc.start()
@@ -101,6 +109,9 @@ class AsyncEngine:
         self._wait_ready(start_timeout)
 
     # The Engine protocol
+
+    def seek(self, batch: int) -> None:
+        self._next_batch = batch
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
         batch = self._next_batch
@@ -124,13 +135,26 @@ class AsyncEngine:
         """Snapshot `model` into a new folder and queue it; the engine loads it before its next batch."""
         from rlhf.generation.vllm import snapshot_folder, snapshot_state_dict, write_snapshot
 
-        if self._next_batch == 0:
-            self._next_batch = version  # a resume: seed batch t as an uninterrupted run would
         start = time.perf_counter()
         folder = write_snapshot(snapshot_state_dict(model), snapshot_folder(self.work_dir, version))
         self._snapshots[version] = folder
         self._put(("weights", str(folder), version))
         self._snapshot_seconds = time.perf_counter() - start
+
+    def load_snapshot(self, folder: Path, version: int) -> None:
+        """Queue weights saved earlier (a checkpoint's copy of `weights_in_flight`); `folder` stays untouched."""
+        from rlhf.generation.vllm import snapshot_folder
+        from rlhf.io import atomic_dir
+
+        with atomic_dir(snapshot_folder(self.work_dir, version)) as tmp:
+            shutil.copytree(folder, tmp, dirs_exist_ok=True)
+        self._snapshots[version] = snapshot_folder(self.work_dir, version)
+        self._put(("weights", str(self._snapshots[version]), version))
+
+    def weights_in_flight(self, version: int) -> dict[int, Path]:
+        """The snapshot folders of versions version-N .. version-1 (>= 1): batches version .. version+N-1 are
+        sampled with them. Version 0 is the starting model, which a resume has anyway."""
+        return {v: f for v, f in self._snapshots.items() if max(1, version - self.lookahead) <= v < version}
 
     def close(self) -> None:
         """Stop the engine process (stop event + sentinel, join, then terminate/kill); safe to call twice."""
@@ -192,12 +216,16 @@ class AsyncEngine:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "result":
-            _, batch, responses, logprobs, version, seconds, idle, reload = msg
-            gen = Generated(torch.from_numpy(responses), version, seconds, torch.from_numpy(logprobs))
-            self._ready[batch] = (gen, {"timing/engine_idle": idle, "timing/weight_sync_engine": reload})
+            _, batch, responses, logprobs, scores, version, seconds, idle, reload, scoring = msg
+            scores = None if scores is None else torch.from_numpy(scores)
+            gen = Generated(torch.from_numpy(responses), version, seconds, torch.from_numpy(logprobs), scores)
+            stats = {"timing/engine_idle": idle, "timing/weight_sync_engine": reload}
+            if scores is not None:
+                stats["timing/scoring_engine"] = scoring
+            self._ready[batch] = (gen, stats)
         elif kind == "ack":
             _, version = msg
-            for old in [v for v in self._snapshots if v < version]:
+            for old in [v for v in self._snapshots if v < version - self.lookahead]:
                 shutil.rmtree(self._snapshots.pop(old), ignore_errors=True)
         elif kind == "ready":
             self.start_seconds = msg[1]
@@ -261,7 +289,8 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
     try:
         from rlhf.generation.vllm import VLLMEngine
 
-        engine = VLLMEngine(Path(spec.model_folder), spec.eos_token_id, spec.pad_token_id, spec.seed, spec.max_model_len, Path(spec.work_dir))
+        engine = VLLMEngine(Path(spec.model_folder), spec.eos_token_id, spec.pad_token_id, spec.seed, spec.max_model_len, Path(spec.work_dir), spec.dtype)
+        scorer = _Scorer(spec) if spec.reward is not None else None
         outbox.send(("ready", engine.start_seconds))
         idle = reload = 0.0
         while True:
@@ -272,12 +301,15 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
                 break
             if msg[0] == "weights":
                 _, folder, version = msg
-                reload += engine.reload(Path(folder), version)
+                reload += engine.reload(Path(folder), version, delete_previous=False)  # the trainer side deletes
                 outbox.send(("ack", version))
             elif msg[0] == "generate":
                 _, batch, prompts, params = msg
                 gen = engine.generate(prompts, params, batch)
-                outbox.send(("result", batch, gen.responses.numpy(), gen.logprobs.numpy(), gen.version, gen.seconds, idle, reload))
+                scored = time.perf_counter()
+                scores = None if scorer is None else scorer(prompts, gen.responses, params.k).numpy()
+                scoring = time.perf_counter() - scored
+                outbox.send(("result", batch, gen.responses.numpy(), gen.logprobs.numpy(), scores, gen.version, gen.seconds, idle, reload, scoring))
                 idle = reload = 0.0
             else:
                 raise ValueError(f"unknown message {msg[0]!r}")
@@ -289,6 +321,23 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
         os._exit(1)
     engine.close()
     outbox.flush(timeout=10)
+
+
+class _Scorer:
+    """The run's reward function inside the engine process, fed exactly what the learner would feed it."""
+
+    def __init__(self, spec: EngineSpec):
+        from rlhf.models.loading import load_tokenizer
+
+        self.reward_fn = spec.reward.build()
+        self.tokenizer = load_tokenizer(Path(spec.model_folder))
+        self.pad, self.eos = spec.pad_token_id, spec.eos_token_id
+
+    def __call__(self, prompts: list[list[int]], responses: torch.Tensor, k: int) -> torch.Tensor:
+        from rlhf.trainers.forward import assemble
+
+        batch = assemble(prompts, responses, k, self.pad, self.eos)
+        return self.reward_fn(batch, batch.texts(self.tokenizer))
 
 
 def _next_work(inbox, stop, parent_pid: int):

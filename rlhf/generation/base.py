@@ -26,10 +26,17 @@ class Generated:
     version: int  # weight version that sampled them
     seconds: float  # wall time the engine spent generating this batch
     logprobs: torch.Tensor | None = None  # (B*K, T) the engine's own sampling log-probs, when it has them
+    scores: torch.Tensor | None = None  # (B*K,) reward before the missing-EOS penalty, when the engine scored them
 
 
 class Engine(Protocol):
+    """Engines with lookahead > 0 (the async engine) also have `weights_in_flight()` and `load_snapshot()`,
+    which a checkpoint and a resume use to put back the batches that were being sampled ahead."""
+
     lookahead: int
+
+    def seek(self, batch: int) -> None:
+        """The next submitted batch is run batch number `batch` (engines that seed per batch seed from it)."""
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
         """Queue one batch of prompts (token ids, no padding)."""

@@ -60,6 +60,9 @@ class HFEngine:
         responses = out[:, ids.shape[1] :].tolist()
         return Generated(pad_right(responses, p.max_new_tokens, self.pad_token_id), self.version, time.perf_counter() - start)
 
+    def seek(self, batch: int) -> None:
+        pass  # samples come from the global torch RNG, which a checkpoint restores
+
     def load_weights(self, model: torch.nn.Module, version: int) -> None:
         # The engine samples from the training model itself: nothing to copy.
         self.version = version

@@ -13,8 +13,8 @@ vLLM choices, and why:
   same temperature). The default "raw_logprobs" would be log_softmax(logits), temperature ignored.
 - Seeds: vLLM gives the j-th of the n samples of a request the seed `seed + j`, so per-prompt seeds are drawn
   from a 56-bit hash of (run seed, batch index) and spaced K apart: no two samples of a run share a stream.
-  The batch index counts submitted batches; a `load_weights` before the first submit (a resume) starts it at
-  that version, so a resumed run draws the same seeds as an uninterrupted one.
+  The batch index counts submitted batches from `seek(batch)` (a resume seeks to its first batch), so a
+  resumed run draws the same seeds as an uninterrupted one.
 - Weight sync: the trainer's weights are snapshotted (gathered under ZeRO-3, cloned between optimizer steps),
   written as safetensors into a new folder, and loaded with the worker's `reload_weights(weights_path=...)`
   (the `model_runner.model.load_weights` trick fails on CPU: the runner repacks linear weights). The prefix
@@ -129,7 +129,7 @@ class VLLMEngine:
 
     lookahead = 0
 
-    def __init__(self, model_folder: Path, eos_token_id: int, pad_token_id: int, seed: int, max_model_len: int, work_dir: Path):
+    def __init__(self, model_folder: Path, eos_token_id: int, pad_token_id: int, seed: int, max_model_len: int, work_dir: Path, dtype: str = "float32"):
         from vllm import LLM
 
         self.eos_token_id, self.pad_token_id, self.seed = eos_token_id, pad_token_id, seed
@@ -142,7 +142,7 @@ class VLLMEngine:
         start = time.perf_counter()
         self.llm = LLM(
             model=str(model_folder),
-            dtype="float32",
+            dtype=dtype,  # float32 = the learner's precision, so engine log-probs match its own
             max_model_len=max_model_len,
             enforce_eager=True,  # torch.compile: ~30 s more start for nothing at these sizes (platform.md)
             seed=seed,
@@ -156,6 +156,9 @@ class VLLMEngine:
 
     # The Engine protocol
 
+    def seek(self, batch: int) -> None:
+        self.next_batch = batch
+
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
         self._queue.append((prompts, params, self.next_batch))
         self.next_batch += 1
@@ -168,8 +171,6 @@ class VLLMEngine:
 
     def load_weights(self, model: torch.nn.Module, version: int) -> None:
         """Snapshot `model`, write it under work_dir, reload it into vLLM and reset the prefix cache."""
-        if not self._queue and self.next_batch == 0:
-            self.next_batch = version  # a resume: seed batch t as an uninterrupted run would
         start = time.perf_counter()
         folder = write_snapshot(snapshot_state_dict(model), snapshot_folder(self.work_dir, version))
         written = time.perf_counter()
@@ -203,10 +204,11 @@ class VLLMEngine:
         responses, logprobs = outputs_to_tensors(outputs, params.k, params.max_new_tokens, self.pad_token_id)
         return Generated(responses, self.version, time.perf_counter() - start, logprobs)
 
-    def reload(self, folder: Path, version: int) -> float:
+    def reload(self, folder: Path, version: int, delete_previous: bool = True) -> float:
         """Load the snapshot in `folder` into the running engine, tag it `version`; returns the seconds taken.
 
-        The previous snapshot folder is deleted once the new weights are in.
+        The previous snapshot folder is deleted once the new weights are in, unless its owner (the async
+        engine's trainer side, which keeps recent versions for checkpoints) deletes it.
         """
         if self.llm is None:
             raise RuntimeError("VLLMEngine: reload after close()")
@@ -214,16 +216,17 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
         self.llm.reset_prefix_cache()
         self.version = version
-        if self._snapshot is not None and Path(folder) != self._snapshot:
+        if delete_previous and self._snapshot is not None and Path(folder) != self._snapshot:
             shutil.rmtree(self._snapshot, ignore_errors=True)
         self._snapshot = Path(folder)
         return time.perf_counter() - start
 
 
-def make_vllm_engine(kind: str, model_folder: Path, tokenizer, max_staleness: int, seed: int, max_model_len: int, work_dir: Path):
+def make_vllm_engine(kind: str, model_folder: Path, tokenizer, max_staleness: int, seed: int, max_model_len: int, work_dir: Path, reward=None, dtype: str = "float32"):
     """The engine for train.engine `kind`: "vllm" (colocated, lookahead 0) or "vllm_async" (own process,
     lookahead = max_staleness >= 1). `model_folder` is a HF safetensors folder (the SFT policy) whose weights
     are version 0; `work_dir` receives the weight snapshots (one folder per version, old ones deleted).
+    `reward` (a RewardSpec, async only) makes the engine process score its batches too.
     """
     model_folder, work_dir = Path(model_folder), Path(work_dir)
     if not (model_folder / "config.json").is_file():
@@ -233,11 +236,11 @@ def make_vllm_engine(kind: str, model_folder: Path, tokenizer, max_staleness: in
     work_dir.mkdir(parents=True, exist_ok=True)
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if kind == "vllm":
-        return VLLMEngine(model_folder, seed=seed, max_model_len=max_model_len, work_dir=work_dir, **ids)
+        return VLLMEngine(model_folder, seed=seed, max_model_len=max_model_len, work_dir=work_dir, dtype=dtype, **ids)
     if kind == "vllm_async":
         from rlhf.generation.async_engine import AsyncEngine
 
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
-        return AsyncEngine(model_folder, max_staleness=max_staleness, seed=seed, max_model_len=max_model_len, work_dir=work_dir, **ids)
+        return AsyncEngine(model_folder, max_staleness=max_staleness, seed=seed, max_model_len=max_model_len, work_dir=work_dir, reward=reward, dtype=dtype, **ids)
     raise ValueError(f"train.engine: unknown vLLM engine {kind!r} (expected 'vllm' or 'vllm_async')")

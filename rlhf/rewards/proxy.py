@@ -1,13 +1,19 @@
 """Reward functions the online loop can optimise: the proxy RM (default) or the gold judge directly.
 
-Both take the post-processed batch and return one score per sequence (N,). Evaluation always uses gold.
+Both take the post-processed batch (`ModelInput`) and its response texts and return one score per sequence
+(N,). Evaluation always uses gold. A `RewardSpec` names a reward function without loading it, so the async
+engine's process can build its own copy and score batches while the learner trains.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
 import torch
 
-from rlhf.trainers.forward import sequence_scores
+from rlhf.trainers.forward import ModelInput, sequence_scores
 
 
 class ProxyReward:
@@ -18,11 +24,11 @@ class ProxyReward:
         self.chunk = chunk
 
     @torch.no_grad()
-    def __call__(self, sequences, attn, positions, context: int, response_mask: torch.Tensor, texts: list[str]) -> torch.Tensor:
-        last = response_mask.sum(1).clamp(min=1) - 1
-        chunks = [slice(i, i + self.chunk) for i in range(0, len(sequences), self.chunk)]
-        parts = [sequence_scores(self.model, sequences[c], attn[c], positions[c], context, last[c]) for c in chunks]
-        return torch.cat(parts)
+    def __call__(self, batch: ModelInput, texts: list[str]) -> torch.Tensor:
+        last = batch.response_mask.sum(1).clamp(min=1) - 1
+        s, a, p = batch.sequences, batch.attn, batch.positions
+        chunks = [slice(i, i + self.chunk) for i in range(0, len(s), self.chunk)]
+        return torch.cat([sequence_scores(self.model, s[c], a[c], p[c], batch.context, last[c]) for c in chunks])
 
 
 class GoldReward:
@@ -31,5 +37,22 @@ class GoldReward:
     def __init__(self, judge):
         self.judge = judge
 
-    def __call__(self, sequences, attn, positions, context: int, response_mask: torch.Tensor, texts: list[str]) -> torch.Tensor:
+    def __call__(self, batch: ModelInput, texts: list[str]) -> torch.Tensor:
         return torch.as_tensor(self.judge.score(texts), dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """train.reward as a picklable recipe: "proxy" reads the reward model in `folder`, "gold" the judge."""
+
+    kind: Literal["proxy", "gold"]
+    folder: str
+
+    def build(self):
+        if self.kind == "gold":
+            from rlhf.rewards.gold import GoldJudge
+
+            return GoldReward(GoldJudge.load(Path(self.folder)))
+        from rlhf.models.loading import load_reward_model
+
+        return ProxyReward(load_reward_model(Path(self.folder)).requires_grad_(False))

@@ -6,10 +6,41 @@ come from the attention mask, so left padding does not shift positions.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from rlhf.algorithms.common import entropy_from_logits, logprobs_from_logits
+from rlhf.algorithms.common import entropy_from_logits, logprobs_from_logits, truncate_after_eos
+from rlhf.generation.base import pad_left
+
+
+@dataclass
+class ModelInput:
+    """A generated batch as model input (step 3 of the loop). N = B*K rows, prompt-major."""
+
+    prompt_ids: torch.Tensor  # (B, C) left-padded prompts
+    sequences: torch.Tensor  # (N, C+T) prompt + response, pad after the response's first EOS
+    attn: torch.Tensor  # (N, C+T) long
+    positions: torch.Tensor  # (N, C+T)
+    response_mask: torch.Tensor  # (N, T) bool, EOS included
+    has_eos: torch.Tensor  # (N,) bool
+    context: int  # C
+
+    def texts(self, tokenizer) -> list[str]:
+        """The responses as text, special tokens dropped."""
+        responses = self.sequences[:, self.context :].masked_fill(~self.response_mask, tokenizer.pad_token_id)
+        return tokenizer.batch_decode(responses, skip_special_tokens=True)
+
+
+def assemble(prompts: list[list[int]], responses: torch.Tensor, k: int, pad_id: int, eos_id: int) -> ModelInput:
+    """Prompts (B token lists) + raw sampled responses (B*K, T) -> model input, responses cut after the first
+    EOS. The learner and the async engine's scorer both build their inputs here, so their scores agree."""
+    prompt_ids, prompt_mask = pad_left(prompts, pad_id)
+    responses, response_mask, has_eos = truncate_after_eos(responses, eos_id, pad_id)
+    attn, positions = attention_and_positions(prompt_mask.repeat_interleave(k, 0), response_mask)
+    sequences = torch.cat([prompt_ids.repeat_interleave(k, 0), responses], dim=1)
+    return ModelInput(prompt_ids, sequences, attn, positions, response_mask, has_eos, prompt_ids.shape[1])
 
 
 def attention_and_positions(prompt_mask: torch.Tensor, response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

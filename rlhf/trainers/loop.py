@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
+import shutil
 import time
 from dataclasses import dataclass
 
@@ -20,14 +22,17 @@ from accelerate.utils import InitProcessGroupKwargs, set_seed
 from tqdm import tqdm
 from transformers import get_scheduler
 
-from rlhf.algorithms.common import apply_missing_eos_penalty, truncate_after_eos
-from rlhf.config import Config, TrainConfig
-from rlhf.generation.base import SamplingParams, pad_left
+from rlhf.algorithms.common import apply_missing_eos_penalty
+from rlhf.config import Config, TrainConfig, fingerprint
+from rlhf.runtime import crash_point
+from rlhf.generation.base import SamplingParams
 from rlhf.trainers import checkpoint
-from rlhf.trainers.forward import PolicyAndValueWrapper, attention_and_positions, response_logprobs, response_logprobs_and_values
+from rlhf.trainers.forward import PolicyAndValueWrapper, assemble, response_logprobs, response_logprobs_and_values
 from rlhf.trainers.objectives import OBJECTIVES, Rollout
 from rlhf.trainers.presets import resolve
 from rlhf.tracking import Tracker
+
+ROWS_FILE = "metric_rows.json"  # in each checkpoint: the rows logged so far, so a resume keeps the run's history
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -79,14 +84,13 @@ def _setup_models(cfg: Config, needs_values: bool):
     return tokenizer, policy, ref, value
 
 
-def _setup_reward(cfg: Config):
-    from rlhf.rewards.proxy import GoldReward, ProxyReward
+def _reward_spec(cfg: Config):
+    from rlhf.rewards.proxy import RewardSpec
 
     if cfg.train.reward == "gold":
-        return GoldReward(_gold_judge(cfg, required=True))
-    from rlhf.models.loading import load_reward_model
-
-    return ProxyReward(load_reward_model(cfg.path("reward", "model")).requires_grad_(False))
+        _gold_judge(cfg, required=True)  # fail here, naming the folder, not in the engine process
+        return RewardSpec("gold", str(cfg.path("gold")))
+    return RewardSpec("proxy", str(cfg.path("reward", "model")))
 
 
 def _gold_judge(cfg: Config, required: bool = False):
@@ -97,7 +101,7 @@ def _gold_judge(cfg: Config, required: bool = False):
     return GoldJudge.load(cfg.path("gold"))
 
 
-def _setup_engine(name: str, cfg: Config, model, tokenizer, max_model_len: int):
+def _setup_engine(name: str, cfg: Config, model, tokenizer, max_model_len: int, reward):
     if name == "hf":
         from rlhf.generation.hf import HFEngine
 
@@ -105,7 +109,7 @@ def _setup_engine(name: str, cfg: Config, model, tokenizer, max_model_len: int):
     from rlhf.generation.vllm import make_vllm_engine
 
     # The engine starts from the SFT weights (version 0); a resumed run syncs its own weights right after.
-    return make_vllm_engine(name, cfg.path("sft"), tokenizer, cfg.train.max_staleness, cfg.seed, max_model_len, cfg.path("train", "engine"))
+    return make_vllm_engine(name, cfg.path("sft"), tokenizer, cfg.train.max_staleness, cfg.seed, max_model_len, cfg.path("train", "engine"), reward, cfg.train.engine_dtype)
 
 
 def _setup_prompts(cfg: Config, tokenizer) -> list[list[int]]:
@@ -132,20 +136,21 @@ def batch_prompts(prompts: list[list[int]], t: int, sizes: Sizes, rank: int, see
 
 
 @torch.no_grad()
-def _forward_batch(model, ref, sequences, attn, positions, context, temperature, needs_values, chunk=64):
-    """Behaviour log-probs (with the same forward as training, so the on-policy ratio is exactly 1), reference
-    log-probs and, for PPO, values. Shapes (N, T)."""
+def _forward_batch(model, ref, batch, temperature, behaviour: bool, needs_values: bool, chunk=64):
+    """Reference log-probs, and when asked behaviour log-probs (with the same forward as training, so the
+    on-policy ratio is exactly 1) and, for PPO, values. Shapes (N, T); None for what was not asked."""
     logps, refs, values = [], [], []
-    for i in range(0, len(sequences), chunk):
-        s = slice(i, i + chunk)
+    for i in range(0, len(batch.sequences), chunk):
+        inputs = (batch.sequences[i : i + chunk], batch.attn[i : i + chunk], batch.positions[i : i + chunk], batch.context)
         if needs_values:
-            logp, v = response_logprobs_and_values(model, sequences[s], attn[s], positions[s], context, temperature)
+            logp, v = response_logprobs_and_values(model, *inputs, temperature)
             logps.append(logp)
             values.append(v)
-        else:
-            logps.append(response_logprobs(model, sequences[s], attn[s], positions[s], context, temperature)[0])
-        refs.append(response_logprobs(ref, sequences[s], attn[s], positions[s], context, temperature)[0])
-    return torch.cat(logps), torch.cat(refs), (torch.cat(values) if needs_values else None)
+        elif behaviour:
+            logps.append(response_logprobs(model, *inputs, temperature)[0])
+        refs.append(response_logprobs(ref, *inputs, temperature)[0])
+    cat = lambda parts: torch.cat(parts) if parts else None  # noqa: E731
+    return cat(logps), torch.cat(refs), cat(values)
 
 
 def _mean_stats(rows: list[dict]) -> dict[str, float]:
@@ -160,7 +165,9 @@ def train(cfg: Config) -> dict:
     # Models load before the Accelerator exists: under ZeRO-3 an active DeepSpeed config would make
     # transformers partition them at load time, and the reference/reward models are not DeepSpeed engines.
     tokenizer, policy, ref, value = _setup_models(cfg, objective.needs_values)
-    reward_fn = _setup_reward(cfg)
+    reward = _reward_spec(cfg)
+    score_in_engine = engine_name == "vllm_async" and c.score_in_engine
+    reward_fn = None if score_in_engine else reward.build()
     gold = _gold_judge(cfg)
     acc = _setup_accelerator(c)
     sizes = Sizes.derive(c, acc.num_processes)
@@ -173,7 +180,7 @@ def train(cfg: Config) -> dict:
     prompts = _setup_prompts(cfg, tokenizer)
     if engine_name != "hf" and acc.num_processes > 1:
         raise ValueError(f"train.engine={engine_name}: the vLLM engines run with one training process (got {acc.num_processes}); use train.engine=hf with several processes")
-    engine = _setup_engine(engine_name, cfg, unwrapped_policy(), tokenizer, max(map(len, prompts)) + c.response_length)
+    engine = _setup_engine(engine_name, cfg, unwrapped_policy(), tokenizer, max(map(len, prompts)) + c.response_length, reward if score_in_engine else None)
     with contextlib.closing(engine):  # an error must not leave an engine process behind
         return _loop(cfg, acc, sizes, objective, model, optimizer, scheduler, unwrapped_policy, engine, prompts, tokenizer, ref, reward_fn, gold)
 
@@ -181,18 +188,29 @@ def train(cfg: Config) -> dict:
 def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimizer, scheduler, unwrapped_policy, engine, prompts, tokenizer, ref, reward_fn, gold) -> dict:
     """Steps 1-9 for every generated batch, then the final export."""
     c = cfg.train
-    ckpt_dir = cfg.path("train", "checkpoints")
-    state = checkpoint.LoopState()
-    if (last := checkpoint.latest(ckpt_dir)) is not None:
-        state = checkpoint.load(acc, last)
-        acc.print(f"resumed from {last} (batch {state.batch})")
-        engine.load_weights(unwrapped_policy(), state.batch)
-    tracker = Tracker(cfg, "train", enabled=acc.is_main_process)
+    # Outside data/train, which `dvc repro` deletes before running the stage; keyed by the settings, so a
+    # changed run never resumes from another one's state.
+    ckpt_dir = cfg.path("checkpoints", f"train-{fingerprint(cfg)}")
     params = SamplingParams(c.k, c.response_length, c.temperature)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     shuffle = torch.Generator().manual_seed(cfg.seed + 7919 * acc.process_index)
-
-    submitted = state.batch
+    state, rows = checkpoint.LoopState(), []
+    submitted = 0
+    if (last := checkpoint.latest(ckpt_dir)) is not None:
+        state, mine = checkpoint.load(acc, last)
+        acc.print(f"resumed from {last} (batch {state.batch})")
+        shuffle.set_state(torch.tensor(mine["shuffle_rng"], dtype=torch.uint8))
+        rows = json.loads((last / ROWS_FILE).read_text(encoding="utf-8")) if acc.is_main_process else []
+        engine.seek(state.batch)
+        # An async engine was sampling batches b .. b+N-1 ahead, with versions b-N .. b-1: sample them again
+        # with the same versions (kept in the checkpoint), so the resumed run matches an uninterrupted one.
+        for submitted in range(state.batch, min(state.batch + engine.lookahead, sizes.num_batches)):
+            if (version := submitted - engine.lookahead) >= 1:
+                engine.load_snapshot(last / "engine" / f"v{version:06d}", version)
+            engine.submit(batch_prompts(prompts, submitted, sizes, acc.process_index, cfg.seed), params)
+        submitted = min(state.batch + engine.lookahead, sizes.num_batches)
+        engine.load_weights(unwrapped_policy(), state.batch)
+    tracker = Tracker(cfg, "train", enabled=acc.is_main_process, rows=rows, run_id=state.wandb_run_id)
     bar = tqdm(range(state.batch, sizes.num_batches), desc=f"train {c.trainer}", disable=not acc.is_main_process, initial=state.batch, total=sizes.num_batches)
     for t in bar:
         t0 = time.perf_counter()
@@ -204,25 +222,28 @@ def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimiz
         gen = engine.receive()
         t_gen = time.perf_counter()
         # 3. post-process: keep tokens up to the first EOS
-        prompt_ids, prompt_mask = pad_left(local, pad)
-        context = prompt_ids.shape[1]
-        responses, response_mask, has_eos = truncate_after_eos(gen.responses, eos, pad)
-        attn, positions = attention_and_positions(prompt_mask.repeat_interleave(c.k, 0), response_mask)
-        sequences = torch.cat([prompt_ids.repeat_interleave(c.k, 0), responses], dim=1).to(acc.device)
-        attn, positions, response_mask = attn.to(acc.device), positions.to(acc.device), response_mask.to(acc.device)
-        texts = tokenizer.batch_decode(responses.masked_fill(~response_mask.cpu(), pad), skip_special_tokens=True)
-        # 4. score
-        raw_scores = reward_fn(sequences, attn, positions, context, response_mask, texts).to(acc.device)
-        scores = apply_missing_eos_penalty(raw_scores, has_eos.to(acc.device), c.penalty_reward_value) if c.non_eos_penalty else raw_scores
+        batch = assemble(local, gen.responses, c.k, pad, eos)
+        texts = batch.texts(tokenizer)
+        sequences, attn, positions, response_mask = (t.to(acc.device) for t in (batch.sequences, batch.attn, batch.positions, batch.response_mask))
+        # 4. score (the async engine may have scored the batch already, overlapped with training)
+        raw_scores = (gen.scores if gen.scores is not None else reward_fn(batch, texts)).to(acc.device)
+        if not torch.isfinite(raw_scores).all():  # a NaN score would silently poison every later update
+            bad = int((~torch.isfinite(raw_scores)).sum())
+            raise RuntimeError(f"the reward ({c.reward}) returned NaN/inf for {bad} of {len(raw_scores)} samples at batch {t} (trainer {c.trainer}); the last good checkpoint in {ckpt_dir} is intact")
+        scores = apply_missing_eos_penalty(raw_scores, batch.has_eos.to(acc.device), c.penalty_reward_value) if c.non_eos_penalty else raw_scores
         t_score = time.perf_counter()
-        # 5. behaviour and reference log-probs, values
-        logp, ref_logp, values = _forward_batch(model, ref, sequences, attn, positions, context, c.temperature, objective.needs_values)
-        logp, ref_logp = logp * response_mask, ref_logp * response_mask
+        # 5. reference log-probs; behaviour log-probs (+ values) from the training forward, unless the objective
+        # only reports them (DPO, best-of-k) and the engine already returned its sampling log-probs
+        behaviour = objective.needs_behaviour_logprobs or gen.logprobs is None
+        logp, ref_logp, values = _forward_batch(model, ref, batch, c.temperature, behaviour, objective.needs_values)
+        if logp is None:
+            logp = gen.logprobs
+        logp, ref_logp = logp.to(acc.device) * response_mask, ref_logp * response_mask
         is_weight = None
         if c.tis_cap is not None and gen.logprobs is not None:
             # the batch was sampled by older weights: correct towards the learner's policy, truncated for variance
             is_weight = ((logp - gen.logprobs.to(acc.device) * response_mask).sum(1)).exp().clamp(max=c.tis_cap)
-        rollout = Rollout(sequences, attn, positions, response_mask, scores, logp, ref_logp, values, context, c.k, is_weight)
+        rollout = Rollout(sequences, attn, positions, response_mask, scores, logp, ref_logp, values, batch.context, c.k, is_weight)
         # 6. the algorithm's view of the batch
         groups, stats = objective.prepare(rollout)
         t_ref = time.perf_counter()
@@ -251,6 +272,7 @@ def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimiz
                     step_stats.append(s)
                 state.global_step += 1
         t_update = time.perf_counter()
+        crash_point("after_update", t)
         # 8. the engine samples from the new weights from now on
         state.batch, state.episode = t + 1, state.episode + sizes.batch
         engine.load_weights(unwrapped_policy(), state.batch)
@@ -261,7 +283,7 @@ def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimiz
             "objective/scores": scores.mean().item(),
             "objective/entropy": (-logp).sum(1).mean().item(),
             "completions/mean_length": response_mask.sum(1).float().mean().item(),
-            "completions/eos_rate": has_eos.float().mean().item(),
+            "completions/eos_rate": batch.has_eos.float().mean().item(),
             "async/staleness": float(t - gen.version),
             "async/weight_version": float(gen.version),
             "lr": scheduler.get_last_lr()[0],
@@ -284,12 +306,18 @@ def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimiz
             row["timing/wait"] = t_gen - t0
         if t % cfg.tracking.log_every == 0 or t == sizes.num_batches - 1:
             tracker.log(row)
-            prompt_texts = [p for p in tokenizer.batch_decode(prompt_ids, skip_special_tokens=True) for _ in range(c.k)]
+            prompt_texts = [p for p in tokenizer.batch_decode(batch.prompt_ids, skip_special_tokens=True) for _ in range(c.k)]
             tracker.completions(state.episode, prompt_texts, texts, scores.tolist(), None if gold_scores is None else gold_scores.tolist())
         bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.2f}")
         if c.save_every and state.batch % c.save_every == 0 and state.batch < sizes.num_batches:
-            checkpoint.save(acc, ckpt_dir, state)
-    return _finish(cfg, acc, model, unwrapped_policy(), tokenizer, tracker, state)
+            state.wandb_run_id = tracker.run_id
+            in_flight = engine.weights_in_flight(state.batch) if engine.lookahead else {}
+            checkpoint.save(acc, ckpt_dir, state, {"shuffle_rng": shuffle.get_state().tolist()}, extra_files={ROWS_FILE: json.dumps(tracker.rows)},
+                            extra_dirs={f"engine/v{v:06d}": folder for v, folder in in_flight.items()})
+    final = _finish(cfg, acc, model, unwrapped_policy(), tokenizer, tracker, state)
+    if acc.is_main_process:  # the run's result is saved: its resume points are no longer needed
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return final
 
 
 def _finish(cfg: Config, acc: Accelerator, model, policy, tokenizer, tracker: Tracker, state) -> dict:
@@ -304,7 +332,8 @@ def _finish(cfg: Config, acc: Accelerator, model, policy, tokenizer, tracker: Tr
             policy.save_pretrained(tmp, state_dict=full_state, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
         last = tracker.rows[-max(1, len(tracker.rows) // 4) :]  # the last quarter of the run
-        final = {f"final/{k}": v for k, v in _mean_stats(last).items() if not k.startswith(("timing/", "train/"))}
+        # Results only: wall-clock figures (timing/*, eps) differ between identical runs and live in train.csv.
+        final = {f"final/{k}": v for k, v in _mean_stats(last).items() if not k.startswith(("timing/", "train/")) and k != "eps"}
         final.update({"episodes": state.episode, "optimizer_steps": state.global_step})
         first = tracker.rows[0] if tracker.rows else {}
         final.update({f"first/{k}": first[k] for k in ("objective/scores", "objective/gold") if k in first})

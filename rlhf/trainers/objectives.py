@@ -27,7 +27,8 @@ class Rollout:
     positions: torch.Tensor  # (N, C+T)
     response_mask: torch.Tensor  # (N, T) True on real response tokens, EOS included
     scores: torch.Tensor  # (N,) reward after the missing-EOS penalty
-    logp: torch.Tensor  # (N, T) behaviour log-probs, recomputed with the training forward (0 on padding)
+    logp: torch.Tensor  # (N, T) behaviour log-probs, 0 on padding: recomputed with the training forward, or
+    # (DPO, best-of-k: only reported) the vLLM engine's sampling log-probs
     ref_logp: torch.Tensor  # (N, T)
     values: torch.Tensor | None  # (N, T) PPO only
     context: int  # C
@@ -72,6 +73,7 @@ def _kl_and_stats(r: Rollout, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str,
 class PPO:
     cfg: TrainConfig
     needs_values = True
+    needs_behaviour_logprobs = True
 
     def prepare(self, r: Rollout):
         c = self.cfg
@@ -101,6 +103,7 @@ class PPO:
 class RLOO:
     cfg: TrainConfig
     needs_values = False
+    needs_behaviour_logprobs = True
 
     def prepare(self, r: Rollout):
         kl, stats = _kl_and_stats(r, self.cfg)
@@ -120,6 +123,7 @@ class RLOO:
 class GRPO:
     cfg: TrainConfig
     needs_values = False
+    needs_behaviour_logprobs = True
 
     def prepare(self, r: Rollout):
         _, stats = _kl_and_stats(r, self.cfg)
@@ -146,6 +150,7 @@ class OnlineDPO:
 
     cfg: TrainConfig
     needs_values = False
+    needs_behaviour_logprobs = False
 
     def prepare(self, r: Rollout):
         _, stats = _kl_and_stats(r, self.cfg)
@@ -179,6 +184,7 @@ class BestOfK:
 
     cfg: TrainConfig
     needs_values = False
+    needs_behaviour_logprobs = False
 
     def prepare(self, r: Rollout):
         _, stats = _kl_and_stats(r, self.cfg)
