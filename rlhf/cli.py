@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 import traceback
 
@@ -52,12 +53,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
+def record_stage_cost(stage: str, profile: str) -> None:
+    """With RLHF_STAGE_STATS=<file> (set by bench/pipeline_costs.py), append this stage's wall time since its
+    process started and its peak RSS, and that of its largest child (the vLLM engine), as a JSON line."""
+    path = os.environ.get("RLHF_STAGE_STATS")
+    if not path:
+        return
+    import json
+    import resource
+    import time
+
+    import psutil
+
+    kib = 1024  # ru_maxrss is in KiB on Linux
+    row = {"stage": stage, "profile": profile, "seconds": time.time() - psutil.Process().create_time(),
+           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib,
+           "peak_rss_child_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib}
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     from rlhf import runtime
 
-    runtime.configure()
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupted)  # a supervisor's stop cleans up like Ctrl-C: temp outputs removed
     try:
+        runtime.configure()  # inside the try: Ctrl-C during start-up (importing torch) is an interrupt too
         if args.command == "profiles":
             from rlhf.config import profiles
 
@@ -76,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             save_config(cfg, "/dev/stdout")
             return 0
         importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
+        record_stage_cost(args.command, cfg.profile)
         return 0
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

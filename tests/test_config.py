@@ -1,14 +1,9 @@
 """params.yaml + profiles + overrides: what loads, and the errors that name the key."""
 
-import subprocess
-import sys
-
 import pytest
 
-from conftest import ROOT
+from conftest import PARAMS, run_cli
 from rlhf.config import ConfigError, load_config, profiles
-
-PARAMS = ROOT / "params.yaml"
 
 
 @pytest.mark.parametrize("profile", ["tiny", "smollm2", "pythia-tldr", "ci"])
@@ -81,10 +76,6 @@ def test_non_utf8_params_file_is_named(tmp_path):
     bad.write_bytes(b"profile: tiny\nseed: \xff\xfe\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config(bad)
-
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "rlhf.cli", "--params", str(PARAMS), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_cli_help_lists_the_stages():

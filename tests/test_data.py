@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from conftest import folder_digest
 from rlhf.config import Config, ConfigError, DataConfig
 from rlhf.data import reviews
 from rlhf.data.schemas import DataError, EvalResults, Prompts, validate
@@ -23,14 +23,6 @@ REVIEWS_CSV = FIXTURES / "reviews_sample.csv"  # 24 IMDB openings (~45 words, so
 def small_cfg(tmp_path: Path, **data) -> Config:
     fields = dict(reviews_csv=str(REVIEWS_CSV), n_sft=4, n_reward_prompts=4, n_rl_prompts=6, n_eval_prompts=4, sft_words=16, gold_test_fraction=0.2)
     return Config(profile="test", data_dir=str(tmp_path), data=DataConfig(**(fields | data)))
-
-
-def folder_digest(folder: Path) -> str:
-    """sha256 over every file's relative path and bytes."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        h.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()
 
 
 def test_prepare_writes_valid_splits_reproducibly(tmp_path):

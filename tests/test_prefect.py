@@ -11,22 +11,19 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import ROOT, free_port, isolated_env, make_dvc_repo, run_ok
 from rlhf.config import Config, ConfigError, TrackingConfig, load_config
 from rlhf.tracking import STEP, Tracker, wandb_mode
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 DEPLOYMENTS = {"ppo": "ppo", "rloo": "rloo", "online-dpo": "online_dpo", "online-dpo-vllm": "online_dpo_vllm",
                "online-dpo-single-vllm": "online_dpo_single_vllm", "bok": "bok", "grpo": "grpo"}
 
@@ -168,7 +165,7 @@ for m in pkgutil.iter_modules(rlhf.stages.__path__):
 assert rlhf.cli.main(['--params', sys.argv[1], '--profile', 'ci', 'config']) == 0
 print('NO-PREFECT-OK', len(rlhf.cli.available_stages()))
 """
-    env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{_free_port()}/api"}
+    env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "params.yaml")], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NO-PREFECT-OK 7" in proc.stdout
@@ -177,13 +174,13 @@ print('NO-PREFECT-OK', len(rlhf.cli.available_stages()))
 @pytest.mark.timeout(180)
 def test_dvc_repro_runs_a_stage_without_prefect(tmp_path):
     """`dvc repro` of a real stage with a `prefect` package that refuses to import, and no server."""
-    repo = _make_repo(tmp_path / "project")
+    repo = make_dvc_repo(tmp_path / "project")
     stub = tmp_path / "stub" / "prefect"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text("raise ImportError('a stage imported prefect')\n")
-    env = {**_base_env(tmp_path), "PYTHONPATH": str(stub.parent), "PREFECT_API_URL": f"http://127.0.0.1:{_free_port()}/api"}
-    _run(["sed", "-i", "s/^profile: .*/profile: ci/", "params.yaml"], repo, env)
-    out = _run(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
+    env = {**isolated_env(tmp_path), "PYTHONPATH": str(stub.parent), "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
+    run_ok(["sed", "-i", "s/^profile: .*/profile: ci/", "params.yaml"], repo, env)
+    out = run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
     assert "Running stage 'prepare'" in out
     assert json.loads((repo / "data/metrics/prepare.json").read_text())
 
@@ -224,38 +221,6 @@ def test_completions_table_lands_in_the_offline_run(tmp_path, monkeypatch):
 
 # --- a real server, the deployments, a run ---------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _base_env(home: Path) -> dict:
-    """The suite's offline env with every cache of the run under `home` (never the project's .cache)."""
-    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(home / "prefect"),
-            "WANDB_DIR": str(home / "wandb"), "RLHF_WORKSPACES": str(home / "workspaces"), "DVC_NO_ANALYTICS": "1"}
-
-
-def _run(cmd: list[str], cwd: Path, env: dict, timeout: float = 60) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{cmd}: {proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout + proc.stderr
-
-
-def _make_repo(path: Path) -> Path:
-    """A git+DVC copy of the project's pipeline: dvc.yaml, params.yaml and the `rlhf` code its stages depend on."""
-    path.mkdir(parents=True)
-    for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
-        shutil.copy(ROOT / name, path / name)
-    # The stages' code is a DVC dep of theirs (the stages run the installed `rlhf`, this same code).
-    shutil.copytree(ROOT / "rlhf", path / "rlhf", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    for cmd in (["git", "init", "-q", "-b", "main"], ["git", "config", "user.name", "rlhf test"], ["git", "config", "user.email", "test@localhost"],
-                ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"], ["git", "add", "-A"], ["git", "commit", "-qm", "pipeline"]):
-        _run(cmd, path, env)
-    return path
-
-
 def _api(api_url: str, route: str, body: dict | None = None):
     req = urllib.request.Request(f"{api_url}{route}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(req, timeout=10) as r:
@@ -277,14 +242,14 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def repo(home):
-    return _make_repo(home / "project")
+    return make_dvc_repo(home / "project")
 
 
 @pytest.fixture(scope="module")
 def served(home, repo):
     """`python -m flows.deployments --port P` (the `make serve` command) in the temporary project."""
-    port = _free_port()
-    env = {**_base_env(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    port = free_port()
+    env = {**isolated_env(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
     log = (home / "serve.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "flows.deployments", "--port", str(port)], cwd=repo, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -352,7 +317,7 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     assert any("rlhf train" in entry["message"] for entry in logs)  # the stage's output is in the UI
 
     # The DVC record: `dvc exp show` lists the run with its params and metrics.
-    shown = json.loads(_run(["dvc", "exp", "show", "--json"], repo, env))
+    shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
     exps = {rev["name"]: rev["data"] for b in shown for e in (b.get("experiments") or []) for rev in e["revs"]}
     name = f"ppo-{run['name']}"
     assert set(exps) == {name}
@@ -364,10 +329,10 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     # W&B: the train stage's offline run, under WANDB_DIR.
     assert list((home / "wandb").glob("wandb/offline-run-*/run-*.wandb"))
     # The user's checkout is untouched: its own edit only, no outputs, no DVC bookkeeping refs, no workspace.
-    assert _run(["git", "status", "--porcelain"], repo, env).strip() == "M params.yaml"
+    assert run_ok(["git", "status", "--porcelain"], repo, env).strip() == "M params.yaml"
     assert (repo / "params.yaml").read_text() == params
     assert not (repo / "data").exists()
-    assert _run(["git", "for-each-ref", "refs/exps/exec/"], repo, env).strip() == ""
+    assert run_ok(["git", "for-each-ref", "refs/exps/exec/"], repo, env).strip() == ""
     assert list((home / "workspaces").iterdir()) == []
 
 
@@ -415,7 +380,7 @@ def test_ctrl_c_stops_runner_then_server(served):
 
 @pytest.mark.timeout(60)
 def test_deployment_run_without_server_is_prefects_error(tmp_path):
-    env = {**_base_env(tmp_path), "PREFECT_API_URL": f"http://127.0.0.1:{_free_port()}/api"}
+    env = {**isolated_env(tmp_path), "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
     proc = subprocess.run(["prefect", "deployment", "run", "rlhf/ppo"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
     assert proc.returncode != 0
     assert "ConnectError" in proc.stdout + proc.stderr

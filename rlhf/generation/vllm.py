@@ -142,6 +142,7 @@ class VLLMEngine:
         start = time.perf_counter()
         self.llm = LLM(
             model=str(model_folder),
+            load_format="safetensors",  # never unpickle a .bin
             dtype=dtype,  # float32 = the learner's precision, so engine log-probs match its own
             max_model_len=max_model_len,
             enforce_eager=True,  # torch.compile: ~30 s more start for nothing at these sizes (platform.md)

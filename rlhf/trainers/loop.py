@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -122,6 +123,9 @@ def _setup_prompts(cfg: Config, tokenizer) -> list[list[int]]:
     kept = [p for p in ids if 0 < len(p) and (room is None or len(p) <= room)]
     if not kept:
         raise ValueError(f"rl_prompts: no prompt fits the context ({room} tokens left after train.response_length)")
+    if len(kept) < len(ids):
+        print(f"train: skipped {len(ids) - len(kept)} of {len(ids)} rl_prompts that are empty or longer than the context "
+              f"({room} tokens left after train.response_length)", file=sys.stderr)
     return kept
 
 

@@ -1,0 +1,145 @@
+"""What the workflow costs on top of the stages: orchestration overhead of `dvc repro` and of a Prefect run,
+and the peak memory (RSS) of every stage, the vLLM engine process included.
+
+Usage:
+    .venv/bin/python -m rlhf.runtime python bench/pipeline_costs.py [--profile tiny] [--runs dvc,prefect] [section.key=value ...]
+A throwaway clone of the project (HEAD, with the checkout's uncommitted changes to tracked files) with its
+own empty DVC cache, so every stage really runs:
+  prefect  a real Prefect server on 127.0.0.1 and the `rlhf` flow against it (as a deployment run executes
+           it: its own clone, `dvc repro --single-item` per stage, `dvc exp save`);
+  dvc      `dvc repro --force` in the clone.
+Every stage process appends its own wall time (from process start) and peak RSS to a stats file
+(RLHF_STAGE_STATS, rlhf/cli.py), so overhead = total wall - the stages' own time, measured in the same run.
+Prints a table per run and writes bench/metrics/pipeline_costs_<profile>.json (DVC metrics).
+Memory: `peak_rss` is the stage process, `child` its largest child (the vLLM engine when the trainer uses
+one); they run at the same time, so their sum bounds the stage's peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+
+
+def sh(cmd: list[str], cwd: Path, env: dict | None = None, stdin: bytes | None = None) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True)
+    if proc.returncode:
+        raise SystemExit(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr).decode(errors='replace')[-4000:]}")
+    return proc.stdout.decode()
+
+
+def make_project(root: Path, profile: str, overrides: list[str]) -> Path:
+    """A clone of this project at HEAD + uncommitted tracked changes, params set, its own DVC cache."""
+    project = root / "project"
+    sh(["git", "clone", "--quiet", "--shared", str(ROOT), str(project)], root)
+    diff = subprocess.run(["git", "diff", "--binary", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
+    if diff.strip():
+        sh(["git", "apply", "--whitespace=nowarn"], project, stdin=diff)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["profile"] = profile
+    params["tracking"] = {"wandb_mode": "disabled"}
+    for item in overrides:
+        key, value = item.split("=", 1)
+        section, name = key.split(".", 1)
+        params.setdefault(section, {})[name] = yaml.safe_load(value)
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for cmd in (["git", "add", "-A"], ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "bench params"]):
+        sh(cmd, project)
+    return project
+
+
+def read_stats(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_dvc(project: Path, env: dict) -> float:
+    start = time.perf_counter()
+    sh([sys.executable, "-m", "dvc", "repro", "--force"], project, env)
+    return time.perf_counter() - start
+
+
+def run_prefect(project: Path, env: dict, trainer: str) -> float:
+    """A real Prefect server, then the `rlhf` flow against it; returns the flow's wall time (server start-up
+    excluded: a deployment run finds the server running)."""
+    import socket
+
+    from flows.deployments import start_server, stop_server, wait_healthy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "RLHF_PROJECT_DIR": str(project)}
+    os.environ["PREFECT_API_URL"] = env["PREFECT_API_URL"]
+    server = start_server(port, project.parent / "prefect-server.log")
+    try:
+        wait_healthy(env["PREFECT_API_URL"], server)
+        code = f"from flows.rlhf_flow import rlhf; rlhf(trainer={trainer!r}, experiment='bench-costs')"
+        start = time.perf_counter()
+        sh([sys.executable, "-c", code], ROOT, env)
+        return time.perf_counter() - start
+    finally:
+        stop_server(server)
+
+
+def summarise(name: str, total: float, stats: list[dict]) -> dict:
+    own = sum(s["seconds"] for s in stats)
+    print(f"\n{name}: {len(stats)} stages, total {total:.1f} s, stages' own {own:.1f} s, overhead {total - own:.1f} s = {100 * (total - own) / total:.1f}%")
+    print(f"  {'stage':<10}{'seconds':>9}{'peak RSS GiB':>14}{'child GiB':>11}")
+    for s in stats:
+        print(f"  {s['stage']:<10}{s['seconds']:>9.1f}{s['peak_rss_bytes'] / GIB:>14.2f}{s['peak_rss_child_bytes'] / GIB:>11.2f}")
+    out = {f"{name}/total_seconds": total, f"{name}/stage_seconds": own, f"{name}/overhead_fraction": (total - own) / total}
+    for s in stats:
+        out[f"{name}/{s['stage']}/seconds"] = s["seconds"]
+        out[f"{name}/{s['stage']}/peak_rss_gib"] = s["peak_rss_bytes"] / GIB
+        out[f"{name}/{s['stage']}/peak_rss_child_gib"] = s["peak_rss_child_bytes"] / GIB
+    return out
+
+
+def main() -> None:
+    from rlhf import runtime
+    from rlhf.io import write_json
+
+    runtime.configure()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="tiny")
+    ap.add_argument("--runs", default="prefect,dvc", help="comma-separated: prefect, dvc")
+    ap.add_argument("--trainer", default=None, help="train.trainer (default: params.yaml's)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value written into the clone's params.yaml")
+    args = ap.parse_args()
+    overrides = [*args.overrides, *([f"train.trainer={args.trainer}"] if args.trainer else [])]
+    root = Path(tempfile.mkdtemp(prefix="rlhf-costs-", dir=ROOT / ".cache"))
+    results = {}
+    try:
+        project = make_project(root, args.profile, overrides)
+        trainer = yaml.safe_load((project / "params.yaml").read_text())["train"]["trainer"]
+        bin_dir = str(Path(sys.executable).parent)
+        for name in args.runs.split(","):
+            stats_file = root / f"{name}.jsonl"
+            env = {**os.environ, "RLHF_STAGE_STATS": str(stats_file), "PATH": bin_dir + os.pathsep + os.environ["PATH"]}
+            if name == "dvc":
+                total = run_dvc(project, env)
+            elif name == "prefect":
+                total = run_prefect(project, env, trainer)
+            else:
+                raise SystemExit(f"--runs: unknown run {name!r} (expected prefect or dvc)")
+            results.update(summarise(name, total, read_stats(stats_file)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\nprofile {args.profile}, trainer {trainer}, overrides {overrides or 'none'}")
+    write_json(ROOT / "bench" / "metrics" / f"pipeline_costs_{args.profile}.json", results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""Bad inputs, and what the user sees for each: a message naming the cause, a non-zero exit, no half-written
+output that looks valid, nothing saved before lost. Plus the security defaults.
+
+docs/reliability.md lists every bad input tried with its test (these and older ones elsewhere in tests/);
+the last test here checks that table against the tests, one to one. Everything is real (models, DVC, a
+Prefect server, W&B offline) except a full disk, which is simulated and named so where it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import pickle
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from accelerate import Accelerator
+
+from conftest import PARAMS, ROOT, ci_config, folder_digest, free_port, isolated_env, make_dvc_repo, run_cli, run_ok
+from rlhf.config import Config, TrackingConfig
+from rlhf.models import loading
+from rlhf.trainers.loop import train
+from rlhf.tracking import STEP, Tracker
+
+DOC = ROOT / "docs" / "reliability.md"
+
+
+def _child(proc: subprocess.Popen, matches, timeout: float) -> psutil.Process:
+    """The first descendant of `proc` whose command line satisfies `matches` (waits for it to appear)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"exited {proc.returncode} before the awaited child started"
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if matches(child.cmdline()):
+                    return child
+            except psutil.NoSuchProcess:
+                pass
+        time.sleep(0.2)
+    pytest.fail(f"no matching child process within {timeout} s")
+
+
+# --- the command line -----------------------------------------------------------------------------------
+
+def test_malformed_params_yaml_fails_the_cli_naming_the_file(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("profile: ci\nprofiles: {ci: {train: [1, 2}\n")
+    proc = run_cli("config", params=bad)
+    assert proc.returncode == 1
+    assert f"rlhf config: error: {bad}: malformed YAML" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_non_utf8_reviews_csv_fails_prepare_naming_the_file(tmp_path):
+    latin = tmp_path / "reviews.csv"
+    latin.write_bytes(b"text,label,source\n" + ("un film tr\xe8s r\xe9ussi et " * 8 + ",1,imdb\n").encode("latin-1") * 40)
+    data = tmp_path / "data"
+    proc = run_cli("--profile", "ci", "prepare", f"data_dir={data}", f"data.reviews_csv={latin}")
+    assert proc.returncode == 1
+    assert re.search(rf"{re.escape(str(latin))}: not UTF-8 text \(invalid continuation byte at byte \d+\)", proc.stderr)
+    assert not data.exists()  # no prepared folder, no metrics file
+
+
+def test_sigterm_stops_a_stage_like_ctrl_c(ci_data):
+    cmd = [sys.executable, "-m", "rlhf.cli", "--params", str(PARAMS), "--profile", "ci", "train", f"data_dir={ci_data}",
+           "tracking.wandb_mode=disabled", "train.total_episodes=800", "train.save_every=1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (ci_data / "checkpoints").exists() and time.time() < deadline:  # training is under way
+        assert proc.poll() is None
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert not (ci_data / "train" / "policy").exists() and not (ci_data / "metrics" / "train.json").exists()
+
+
+# --- the training loop ----------------------------------------------------------------------------------
+
+def test_prompts_longer_than_the_context_are_dropped_and_none_fitting_stops_the_run(ci_data):
+    from rlhf.data.splits import load_split
+    from rlhf.trainers.loop import _setup_prompts
+
+    cfg = ci_config(ci_data)
+    tokenizer = loading.load_tokenizer(ci_data / "sft")
+    lengths = sorted(len(ids) for ids in tokenizer(list(load_split(cfg.path("prepared"), "rl_prompts")["prompt"]))["input_ids"])
+    assert lengths[0] < lengths[-1]  # 8-word openings tokenise to different lengths
+    context, room = cfg.model.max_position_embeddings, lengths[len(lengths) // 2]
+    kept = _setup_prompts(ci_config(ci_data, f"train.response_length={context - room}"), tokenizer)
+    assert max(map(len, kept)) <= room
+    assert len(kept) == sum(n <= room for n in lengths) < len(lengths)
+    # no prompt leaves room for a response: the run stops before training anything
+    too_long = ci_config(ci_data, f"train.response_length={context - lengths[0] + 1}")
+    with pytest.raises(ValueError, match=rf"rl_prompts: no prompt fits the context \({lengths[0] - 1} tokens left after train.response_length\)"):
+        train(too_long)
+    assert not (ci_data / "train").exists() and not (ci_data / "checkpoints").exists()
+
+
+# A PPO run of 3 generated batches that checkpoints after every batch; the `stopped_run` copy of it was killed
+# after training batch 1, so checkpoint batch-000001 is the last good state a resumed run starts from.
+STOPPED = ("train.trainer=ppo", "train.save_every=1", "train.total_episodes=24")
+
+
+@pytest.fixture(scope="module")
+def stopped_run(ci_stages, tmp_path_factory):
+    data = tmp_path_factory.mktemp("stopped") / "data"
+    shutil.copytree(ci_stages, data)
+    env = {**os.environ, "RLHF_CRASH_AT": "after_update:1"}  # SIGKILL, as an OOM kill would (rlhf.runtime)
+    proc = run_cli("--profile", "ci", "train", f"data_dir={data}", "tracking.wandb_mode=disabled", *STOPPED, env=env, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    [ckpt_dir] = (data / "checkpoints").iterdir()
+    assert [p.name for p in ckpt_dir.iterdir()] == ["batch-000001"]
+    return data
+
+
+@pytest.fixture
+def stopped(stopped_run, tmp_path):
+    """(data dir, its checkpoint batch-000001, that checkpoint's digest): a private copy per test."""
+    data = tmp_path / "data"
+    shutil.copytree(stopped_run, data)
+    [ckpt] = (data / "checkpoints").glob("*/batch-000001")
+    return data, ckpt, folder_digest(ckpt)
+
+
+def _fill_nan(folder, load) -> None:
+    """Rewrite the model in `folder` with every weight NaN (a real, loadable, broken model)."""
+    model = load(folder)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    loading.save_pretrained(model, loading.load_tokenizer(folder), folder)
+
+
+def _assert_only_the_good_checkpoint(data, ckpt, digest) -> None:
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["batch-000001"]  # nothing partial next to it
+    assert folder_digest(ckpt) == digest
+    assert not (data / "train" / "policy").exists() and not (data / "metrics" / "train.json").exists()
+
+
+@pytest.mark.slow
+def test_reward_returning_nan_stops_training_and_keeps_the_last_checkpoint(stopped):
+    data, ckpt, digest = stopped
+    _fill_nan(data / "reward" / "model", loading.load_reward_model)
+    with pytest.raises(RuntimeError, match=rf"the reward \(proxy\) returned NaN/inf for 16 of 16 samples at batch 1 \(trainer ppo\); the last good checkpoint in {re.escape(str(ckpt.parent))} is intact"):
+        train(ci_config(data, *STOPPED))
+    _assert_only_the_good_checkpoint(data, ckpt, digest)
+
+
+@pytest.mark.slow
+def test_loss_going_nan_stops_training_and_keeps_the_last_checkpoint(stopped):
+    data, ckpt, digest = stopped
+    # The resumed policy comes from the checkpoint (finite); the KL reference from data/sft, now NaN: every
+    # PPO quantity built on the KL, and so the loss, is NaN, while generation and the reward stay finite.
+    _fill_nan(data / "sft", loading.load_causal_lm)
+    with pytest.raises(RuntimeError, match=rf"loss became nan at batch 1 \(trainer ppo\); the last good checkpoint in {re.escape(str(ckpt.parent))} is intact"):
+        train(ci_config(data, *STOPPED))
+    _assert_only_the_good_checkpoint(data, ckpt, digest)
+
+
+@pytest.mark.slow
+def test_disk_full_while_checkpointing_removes_the_partial_checkpoint(stopped, monkeypatch, capsys):
+    data, ckpt, digest = stopped
+    real_save_state = Accelerator.save_state
+
+    def save_state_then_disk_full(self, output_dir=None, **kwargs):
+        # SIMULATED full disk (no real one to fill here): the checkpoint files land, then the write fails.
+        real_save_state(self, output_dir, **kwargs)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), output_dir)
+
+    monkeypatch.setattr(Accelerator, "save_state", save_state_then_disk_full)
+    with pytest.raises(OSError, match=r"checkpoint \S+/batch-000002 not written \(disk full\); its partial folder was removed, the checkpoints already in \S+ are intact") as err:
+        train(ci_config(data, *STOPPED))
+    assert err.value.errno == errno.ENOSPC
+    _assert_only_the_good_checkpoint(data, ckpt, digest)  # no .tmp-batch-000002 left filling the disk
+    # space freed: the same command resumes from the intact checkpoint and finishes the run
+    monkeypatch.undo()
+    final = train(ci_config(data, *STOPPED))
+    assert f"resumed from {ckpt} (batch 1)" in capsys.readouterr().out
+    assert (final["episodes"], final["optimizer_steps"]) == (24, 6)
+    assert loading.load_causal_lm(data / "train" / "policy").config.model_type == "llama"
+
+
+# --- the pipeline and the orchestrator ------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
+    repo = make_dvc_repo(tmp_path / "project")
+    env = isolated_env(tmp_path)
+    params = repo / "params.yaml"
+    params.write_text(re.sub(r"^profile: \S+", "profile: ci", params.read_text(), count=1, flags=re.M))
+    run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-qm", "prepare"], repo, env)  # dvc.lock and the metrics file live in git
+    lock, before = (repo / "dvc.lock").read_bytes(), folder_digest(repo / "data" / "prepared")
+
+    params.write_text(params.read_text().replace("seed: 1234", "seed: 4321", 1))  # the stage must run again
+    proc = subprocess.Popen(["dvc", "repro", "--single-item", "prepare"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stage = _child(proc, lambda cmd: cmd[-1:] == ["prepare"] and any(a.endswith("/rlhf") for a in cmd), timeout=60)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        while sum(stage.cpu_times()[:2]) < 2.0:  # mid-stage: well past start-up
+            time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals DVC and the stage's process together
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 255, out
+    assert "interrupted\nERROR: failed to reproduce 'prepare': failed to run: rlhf prepare, exited with 130" in out
+    assert (repo / "dvc.lock").read_bytes() == lock  # the interrupted run is not recorded as done
+    assert not list((repo / "data").glob(".prepared.*"))  # no half-written folder
+    assert "prepare" in json.loads(run_ok(["dvc", "status", "--json", "prepare"], repo, env))
+    # DVC deletes a stage's outputs before running it; the lock file's version is in the cache and git
+    assert not (repo / "data" / "prepared").exists() and not (repo / "data" / "metrics" / "prepare.json").exists()
+    run_ok(["dvc", "checkout", "prepare"], repo, env)
+    run_ok(["git", "checkout", "--", "data/metrics"], repo, env)
+    assert folder_digest(repo / "data" / "prepared") == before
+    assert "Running stage 'prepare'" in run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
+    assert json.loads(run_ok(["dvc", "status", "--json", "prepare"], repo, env)) == {}
+
+
+@pytest.fixture
+def prefect_server(tmp_path_factory):
+    """A throwaway server started by what `make serve` runs (flows.deployments.start_server), own database."""
+    from flows.deployments import start_server, stop_server, wait_healthy
+
+    home = tmp_path_factory.mktemp("prefect")
+    port = free_port()
+    env = {**isolated_env(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    with pytest.MonkeyPatch.context() as mp:  # the server inherits this process's environment
+        mp.setenv("PREFECT_HOME", env["PREFECT_HOME"])
+        server = start_server(port, home / "server.log")
+    try:
+        try:
+            wait_healthy(env["PREFECT_API_URL"], server)
+        except SystemExit as e:
+            pytest.fail(f"{e}\n{(home / 'server.log').read_text()[-3000:]}")
+        yield {"server": server, "port": port, "env": env}
+    finally:
+        stop_server(server)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_prefect_server_gone_mid_run_fails_the_run_and_touches_nothing(prefect_server, tmp_path):
+    repo = make_dvc_repo(tmp_path / "project")
+    (repo / "dvc.yaml").write_text((repo / "dvc.yaml").read_text().split("\n  gold:")[0] + "\n")  # prepare only: fast
+    run_ok(["git", "commit", "-qam", "prepare only"], repo, prefect_server["env"])
+    workspaces = tmp_path / "workspaces"
+    # One client retry instead of Prefect's default 5 (which back off 2+4+8+16+32 s per call) keeps this short.
+    env = {**prefect_server["env"], "RLHF_PROJECT_DIR": str(repo), "RLHF_WORKSPACES": str(workspaces), "PREFECT_CLIENT_MAX_RETRIES": "1"}
+    flow = subprocess.Popen([sys.executable, "-c", "from flows.rlhf_flow import rlhf; rlhf(trainer='ppo', profile='ci')"], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _child(flow, lambda cmd: "repro" in cmd, timeout=120)  # the `prepare` task is running
+        os.killpg(prefect_server["server"].pid, signal.SIGKILL)  # the server dies (crash, OOM kill, reboot)
+        out, _ = flow.communicate(timeout=120)
+    finally:
+        if flow.poll() is None:
+            os.killpg(flow.pid, signal.SIGKILL)
+    assert flow.returncode == 1, out[-3000:]
+    assert "httpx.ConnectError: [Errno 111] Connection refused" in out  # the flow's final state could not be set
+    assert f"Unable to connect to 'ws://127.0.0.1:{prefect_server['port']}/api/events/in'" in out  # names the server
+    assert run_ok(["git", "status", "--porcelain"], repo, env).strip() == ""  # the checkout is untouched
+    assert not (repo / "data").exists()
+    assert list(workspaces.iterdir()) == []  # the run's temporary clone is gone
+    # Prefect 3 reports task states as events, so the stages went on without the server: their finished work
+    # is the run's DVC experiment, complete (dvc exp save ran after the stage), as with the server up.
+    refs = run_ok(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], repo, env).split()
+    assert len(refs) == 1 and re.fullmatch(r"refs/exps/\w\w/\w+/ppo-[\w-]+", refs[0]), refs
+
+
+# --- security defaults ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_prefect_server_listens_on_loopback_only(prefect_server):
+    root = psutil.Process(prefect_server["server"].pid)
+    listening = [c.laddr for p in (root, *root.children(recursive=True)) for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    assert prefect_server["port"] in {a.port for a in listening}
+    assert {a.ip for a in listening} == {"127.0.0.1"}
+    assert "python -m flows.deployments --port" in (ROOT / "Makefile").read_text()  # `make serve` starts it so
+
+
+def test_remote_code_is_never_run(tmp_path):
+    pattern = re.compile(r"""trust_remote_code["']?\s*[=:]\s*(?!False\b)""")
+    offenders = [f"{p.relative_to(ROOT)}:{n}" for top in ("rlhf", "flows", "tasks", "bench") for p in (ROOT / top).rglob("*.py")
+                 for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
+    # a model folder that ships its own code (auto_map) is refused, and that code never runs
+    folder, marker = tmp_path / "custom", tmp_path / "custom_code_ran"
+    folder.mkdir()
+    for name in ("configuration_custom.py", "modeling_custom.py"):
+        (folder / name).write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    auto_map = {"AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (folder / "config.json").write_text(json.dumps({"model_type": "custom", "architectures": ["CustomForCausalLM"], "auto_map": auto_map}))
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(folder))}: could not load AutoModelForCausalLM [\s\S]*trust_remote_code"):
+        loading.load_causal_lm(folder)
+    assert not marker.exists()
+
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # unpickling this creates the marker file
+
+
+def test_pickle_weights_are_refused_unopened(tmp_path):
+    from transformers import LlamaConfig
+
+    folder, marker = tmp_path / "pickled", tmp_path / "unpickled"
+    LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1).save_pretrained(folder)
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_RunsCodeWhenUnpickled(marker)))
+    with pytest.raises(FileNotFoundError, match=rf"{re.escape(str(folder / 'pytorch_model.bin'))}: pickle weights are not loaded"):
+        loading.load_causal_lm(folder)
+    with pytest.raises(FileNotFoundError, match="pickle weights are not loaded"):
+        loading.load_reward_model(folder)
+    assert not marker.exists()
+
+
+SECRET_NAME = re.compile(r"(^|_)(api_?key|token|secret|password|passwd|credentials?)$", re.I)
+
+
+def _secret_env(monkeypatch) -> dict[str, str]:
+    values = {"WANDB_API_KEY": secrets.token_hex(20), "HF_TOKEN": f"hf_{secrets.token_hex(16)}", "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20)}
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    return values
+
+
+def test_params_have_no_secret_fields_and_the_resolved_config_no_secret_values(monkeypatch):
+    import yaml
+
+    def names(node, prefix=""):
+        for key, value in (node.items() if isinstance(node, dict) else ()):
+            yield f"{prefix}{key}"
+            yield from names(value, f"{prefix}{key}.")
+
+    fields = [f"{s}.{n}" for s, f in Config.model_fields.items() for n in getattr(f.annotation, "model_fields", {})]
+    offenders = [k for k in [*fields, *names(yaml.safe_load(PARAMS.read_text()))] if SECRET_NAME.search(k.rsplit(".", 1)[-1])]
+    assert fields and offenders == []
+    values = _secret_env(monkeypatch)
+    proc = run_cli("--profile", "ci", "config")  # what W&B gets as the run's config, and what `rlhf config` shows
+    assert proc.returncode == 0 and "train:" in proc.stdout
+    assert [name for name, v in values.items() if v in proc.stdout + proc.stderr] == []
+
+
+@pytest.mark.timeout(120)
+def test_no_secret_from_the_environment_reaches_wandb_files(tmp_path, monkeypatch):
+    values = _secret_env(monkeypatch)
+    monkeypatch.setenv("WANDB_MODE", "offline")  # a key alone would switch the run online (rlhf.tracking)
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        (tmp_path / name).mkdir()
+        monkeypatch.setenv(name, str(tmp_path / name))
+    tracker = Tracker(Config(profile="test", data_dir=str(tmp_path / "data"), tracking=TrackingConfig(wandb_mode="offline")), "train")
+    print("a line for the console log W&B captures")
+    tracker.log({STEP: 8, "objective/scores": 0.5})
+    tracker.completions(8, ["a film"] * 2, ["that shines", "that bores"], [0.5, -0.25], [0.875, 0.125])
+    tracker.finish({"final/objective/scores": 0.5})
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    [record] = [p for p in files if p.suffix == ".wandb"]  # the offline run: config, history, console
+    assert str(tmp_path / "data").encode() in record.read_bytes()  # the run's config is in it (data_dir)
+    assert {"output.log", "debug.log", "debug-internal.log"} <= {p.name for p in files}
+    leaks = [f"{name} in {p.relative_to(tmp_path)}" for p in files for name, v in values.items() if v.encode() in p.read_bytes()]
+    assert leaks == []
+
+
+# --- the docs table -------------------------------------------------------------------------------------
+
+def _table(section: str) -> list[str]:
+    """The body rows of the first markdown table under `## section` in docs/reliability.md."""
+    body = DOC.read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in body.splitlines() if line.startswith("|")]
+    return rows[2:]  # header and separator
+
+
+def test_docs_tables_match_the_tests_one_to_one():
+    rows = {section: _table(section) for section in ("Bad inputs", "Security defaults")}
+    assert len(rows["Bad inputs"]) >= 15
+    ids = []
+    for section, lines in rows.items():
+        for line in lines:
+            found = re.findall(r"`(tests/\w+\.py::[^`]+)`", line.rstrip(" |").rsplit(" | ", 1)[-1])
+            assert len(found) == 1, f"{section}: each row names exactly one test in its last column: {line}"
+            ids += found
+    assert len(set(ids)) == len(ids), "two rows name the same test"
+    files = sorted({i.split("::")[0] for i in ids})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    collected = set(proc.stdout.splitlines())
+    collected |= {c.split("[")[0] for c in collected}  # a row may name a parametrized test as a whole
+    assert [i for i in ids if i not in collected] == [], proc.stdout[-3000:] + proc.stderr[-3000:]
+    here = {name for name in globals() if name.startswith("test_")} - {"test_docs_tables_match_the_tests_one_to_one"}
+    assert {i.split("::")[1].split("[")[0] for i in ids if i.startswith("tests/test_bad_inputs.py::")} == here
