@@ -298,3 +298,19 @@ def test_async_killed_engine_raises_within_seconds(policy, async2):
         async2.submit(prompt_ids(tok, ["the"]), params)
     async2.close()
     async2.close()
+
+
+def test_hf_engine_returns_the_log_probs_it_sampled_with(policy):
+    """HFEngine records log softmax(logits / T) of each sampled token: what the trainer's forward computes."""
+    from rlhf.generation.hf import HFEngine
+
+    folder, tok = policy
+    model = loading.load_causal_lm(folder)
+    prompts, k, temperature = prompt_ids(tok, TEXTS[:3]), 2, 0.8  # prompts of different lengths: left padding
+    engine = HFEngine(model, tok.pad_token_id, tok.eos_token_id)
+    engine.submit(prompts, SamplingParams(k=k, max_new_tokens=8, temperature=temperature))
+    gen = engine.receive()
+    expected = hf_logprobs(model, prompts, gen.responses, k, temperature, tok.eos_token_id)
+    real = expected != 0
+    assert real.sum() > 10 and (gen.logprobs[real] < 0).all()
+    torch.testing.assert_close(gen.logprobs[real], expected[real], rtol=0, atol=1e-4)

@@ -1,4 +1,9 @@
-"""Synchronous generation with HF `generate` on the training model itself (shared weights, no copy)."""
+"""Synchronous generation with HF `generate` on the training model itself (shared weights, no copy).
+
+Besides the tokens it returns each sampled token's log-prob under softmax(logits / T), the distribution it
+sampled from (as the vLLM engines do), so objectives that only report behaviour log-probs (DPO, best-of-k)
+skip a second forward over the batch.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import time
 from collections import deque
 
 import torch
+
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from rlhf.generation.base import Generated, SamplingParams, pad_left, pad_right
 
@@ -21,6 +28,33 @@ def gathered_for_generation(model: torch.nn.Module):
             yield
     else:
         yield
+
+
+class _SampledLogprobs(LogitsProcessor):
+    """Records log softmax(logits / T) of each sampled token, one step behind: at step s it sees the token
+    sampled at step s-1 (the last column of input_ids), so only one (N, V) matrix is held at a time.
+
+    `generate` runs user processors before its temperature warper and this one is given no others, so the
+    scores it sees are the raw logits: the temperature is applied here, as the trainer's forward does.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None
+        self.columns: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:
+            self.columns.append(self.previous.gather(1, input_ids[:, -1:]))
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def result(self, responses: torch.Tensor) -> torch.Tensor:
+        """(N, S) log-probs of the S sampled tokens (rows padded after EOS get meaningless values: mask them)."""
+        if self.previous is None:
+            return torch.zeros(responses.shape[0], 0)
+        last = self.previous.gather(1, responses[:, -1:].to(self.previous.device))
+        return torch.cat([*self.columns, last], dim=1).cpu()
 
 
 class HFEngine:
@@ -43,8 +77,10 @@ class HFEngine:
         ids, mask = pad_left(prompts, self.pad_token_id)
         was_training = self.model.training
         self.model.eval()
+        recorder = _SampledLogprobs(p.temperature)
         with gathered_for_generation(self.model):
             out = self.model.generate(
+                logits_processor=LogitsProcessorList([recorder]),
                 input_ids=ids,
                 attention_mask=mask.long(),
                 do_sample=True,
@@ -57,8 +93,10 @@ class HFEngine:
                 pad_token_id=self.pad_token_id,
             )
         self.model.train(was_training)
-        responses = out[:, ids.shape[1] :].tolist()
-        return Generated(pad_right(responses, p.max_new_tokens, self.pad_token_id), self.version, time.perf_counter() - start)
+        responses = out[:, ids.shape[1] :]
+        logprobs = torch.zeros(responses.shape[0], p.max_new_tokens)
+        logprobs[:, : responses.shape[1]] = recorder.result(responses)
+        return Generated(pad_right(responses.tolist(), p.max_new_tokens, self.pad_token_id), self.version, time.perf_counter() - start, logprobs)
 
     def seek(self, batch: int) -> None:
         pass  # samples come from the global torch RNG, which a checkpoint restores

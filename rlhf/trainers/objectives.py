@@ -28,7 +28,7 @@ class Rollout:
     response_mask: torch.Tensor  # (N, T) True on real response tokens, EOS included
     scores: torch.Tensor  # (N,) reward after the missing-EOS penalty
     logp: torch.Tensor  # (N, T) behaviour log-probs, 0 on padding: recomputed with the training forward, or
-    # (DPO, best-of-k: only reported) the vLLM engine's sampling log-probs
+    # (DPO, best-of-k: only reported) the engine's sampling log-probs
     ref_logp: torch.Tensor  # (N, T)
     values: torch.Tensor | None  # (N, T) PPO only
     context: int  # C
