@@ -139,7 +139,8 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\nprofile {args.profile}, trainer {trainer}, overrides {overrides or 'none'}")
-    write_json(ROOT / "bench" / "metrics" / f"pipeline_costs_{args.profile}.json", results)
+    suffix = f"_{args.trainer}" if args.trainer else ""
+    write_json(ROOT / "bench" / "metrics" / f"pipeline_costs_{args.profile}{suffix}.json", results)
 
 
 if __name__ == "__main__":

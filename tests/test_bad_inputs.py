@@ -89,14 +89,14 @@ def test_sigterm_stops_a_stage_like_ctrl_c(ci_data):
 
 def test_prompts_longer_than_the_context_are_dropped_and_none_fitting_stops_the_run(ci_data):
     from rlhf.data.splits import load_split
-    from rlhf.trainers.loop import _setup_prompts
+    from rlhf.trainers.loop import load_rl_prompts
 
     cfg = ci_config(ci_data)
     tokenizer = loading.load_tokenizer(ci_data / "sft")
     lengths = sorted(len(ids) for ids in tokenizer(list(load_split(cfg.path("prepared"), "rl_prompts")["prompt"]))["input_ids"])
     assert lengths[0] < lengths[-1]  # 8-word openings tokenise to different lengths
     context, room = cfg.model.max_position_embeddings, lengths[len(lengths) // 2]
-    kept = _setup_prompts(ci_config(ci_data, f"train.response_length={context - room}"), tokenizer)
+    kept = load_rl_prompts(ci_config(ci_data, f"train.response_length={context - room}"), tokenizer)
     assert max(map(len, kept)) <= room
     assert len(kept) == sum(n <= room for n in lengths) < len(lengths)
     # no prompt leaves room for a response: the run stops before training anything

@@ -95,10 +95,10 @@ def _reward_spec(cfg: Config):
 
 
 def _gold_judge(cfg: Config, required: bool = False):
+    if not required and not cfg.path("gold").exists():
+        return None  # before the import: scikit-learn is ~100 MB of RSS a run without a judge doesn't need
     from rlhf.rewards.gold import GoldJudge
 
-    if not required and not cfg.path("gold").exists():
-        return None
     return GoldJudge.load(cfg.path("gold"))
 
 
@@ -113,7 +113,8 @@ def _setup_engine(name: str, cfg: Config, model, tokenizer, max_model_len: int, 
     return make_vllm_engine(name, cfg.path("sft"), tokenizer, cfg.train.max_staleness, cfg.seed, max_model_len, cfg.path("train", "engine"), reward, cfg.train.engine_dtype)
 
 
-def _setup_prompts(cfg: Config, tokenizer) -> list[list[int]]:
+def load_rl_prompts(cfg: Config, tokenizer) -> list[list[int]]:
+    """The RL prompts as token ids, those that don't fit the context dropped (batch_prompts draws from them)."""
     from rlhf.data.schemas import Prompts
     from rlhf.data.splits import load_split
 
@@ -181,7 +182,7 @@ def train(cfg: Config) -> dict:
     scheduler = get_scheduler(c.lr_scheduler, optimizer, num_warmup_steps=int(c.warmup_ratio * sizes.num_updates), num_training_steps=sizes.num_updates)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     unwrapped_policy = lambda: acc.unwrap_model(model).policy if objective.needs_values else acc.unwrap_model(model)  # noqa: E731
-    prompts = _setup_prompts(cfg, tokenizer)
+    prompts = load_rl_prompts(cfg, tokenizer)
     if engine_name != "hf" and acc.num_processes > 1:
         raise ValueError(f"train.engine={engine_name}: the vLLM engines run with one training process (got {acc.num_processes}); use train.engine=hf with several processes")
     engine = _setup_engine(engine_name, cfg, unwrapped_policy(), tokenizer, max(map(len, prompts)) + c.response_length, reward if score_in_engine else None)
