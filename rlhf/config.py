@@ -125,7 +125,7 @@ class TrainConfig(_Section):
     penalty_reward_value: float = Field(-1.0, description="score given to samples without EOS")
     max_staleness: int = Field(1, ge=0, description="async: how many updates old a batch's weights may be")
     engine_dtype: Literal["float32", "bfloat16"] = Field("float32", description="vLLM engines' precision; bfloat16 samples ~2x faster on CPUs with avx512_bf16 and GPUs, the learner stays float32")
-    score_in_engine: bool = Field(True, description="vllm_async: score each batch in the engine process, overlapped with training (false: in the learner)")
+    score_in_engine: Literal["auto", "always", "never"] = Field("auto", description="vllm_async: score batches in the engine process (overlapped with training) or in the learner; auto: each batch on whichever side waited less for the other lately. Same scores either way")
     tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling for stale vLLM batches: weight PPO/RLOO/GRPO advantages by min(pi/pi_engine, cap) per sequence; null = off")
     # --- optimisation ---
     learning_rate: float = Field(3e-4, gt=0)

@@ -26,8 +26,11 @@ the engine acknowledges a version N newer: the last N+1 stay, the weights of the
 a checkpoint keeps (`weights_in_flight`) and a resume puts back (`load_snapshot`) so a resumed run samples
 every batch with the same version as an uninterrupted one.
 
-Scoring: given a RewardSpec, the engine process also scores each batch (post-processed exactly as the learner
-would, with the same code) right after sampling it, so the reward model's forward overlaps training too.
+Scoring: given a RewardSpec, the engine process can also score a batch (post-processed exactly as the learner
+would, with the same code: the same scores) right after sampling it, so the reward model's forward overlaps
+training. `score` = "always", or "auto": each submitted batch is scored in the engine unless the learner has
+lately waited longer for batches than the engine waited for work (then the engine is the bottleneck and the
+learner scores it; Generated.scores is None). Either way the scores are the same, so runs stay deterministic.
 
 Timing, `stats()` after each receive, for the batch just received:
   timing/engine_idle          seconds the engine waited for work since it sent the previous batch
@@ -80,7 +83,7 @@ class AsyncEngine:
     """The Engine protocol over a VLLMEngine in its own process; lookahead = max_staleness (N >= 1)."""
 
     def __init__(self, model_folder: Path, eos_token_id: int, pad_token_id: int, seed: int, max_model_len: int,
-                 work_dir: Path, max_staleness: int, reward=None, dtype: str = "float32", start_timeout: float = 600.0):
+                 work_dir: Path, max_staleness: int, reward=None, score: str = "always", dtype: str = "float32", start_timeout: float = 600.0):
         if max_staleness < 1:
             raise ValueError(f"AsyncEngine: max_staleness must be >= 1, got {max_staleness}")
         self.lookahead = max_staleness
@@ -91,6 +94,8 @@ class AsyncEngine:
         self._snapshots: dict[int, Path] = {}  # version -> folder still on disk
         self._stats: dict[str, float] = {}
         self._snapshot_seconds = 0.0
+        self._score = score if reward is not None else "never"
+        self._learner_wait = self._engine_idle = 0.0  # moving averages, seconds per batch: who waits for whom
         self.start_seconds = float("nan")
         ctx = mp.get_context("spawn")
         self._inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
@@ -115,7 +120,8 @@ class AsyncEngine:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
         batch = self._next_batch
-        self._put(("generate", batch, prompts, params))
+        score = self._score == "always" or (self._score == "auto" and self._learner_wait <= self._engine_idle)
+        self._put(("generate", batch, prompts, params, score))
         self._pending.append(batch)
         self._next_batch += 1
 
@@ -124,9 +130,12 @@ class AsyncEngine:
         if not self._pending:
             raise RuntimeError("AsyncEngine.receive: no batch was submitted")
         batch = self._pending[0]
+        waited = time.perf_counter()
         while batch not in self._ready:
             self._handle(self._next_message(timeout=None))
         gen, stats = self._ready.pop(batch)
+        self._learner_wait = 0.7 * self._learner_wait + 0.3 * (time.perf_counter() - waited)
+        self._engine_idle = 0.7 * self._engine_idle + 0.3 * stats["timing/engine_idle"]
         self._pending.popleft()
         self._stats = {**stats, "timing/weight_snapshot": self._snapshot_seconds}
         return gen
@@ -220,7 +229,7 @@ class AsyncEngine:
             scores = None if scores is None else torch.from_numpy(scores)
             gen = Generated(torch.from_numpy(responses), version, seconds, torch.from_numpy(logprobs), scores)
             stats = {"timing/engine_idle": idle, "timing/weight_sync_engine": reload}
-            if scores is not None:
+            if self._score != "never":
                 stats["timing/scoring_engine"] = scoring
             self._ready[batch] = (gen, stats)
         elif kind == "ack":
@@ -304,10 +313,10 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
                 reload += engine.reload(Path(folder), version, delete_previous=False)  # the trainer side deletes
                 outbox.send(("ack", version))
             elif msg[0] == "generate":
-                _, batch, prompts, params = msg
+                _, batch, prompts, params, score = msg
                 gen = engine.generate(prompts, params, batch)
                 scored = time.perf_counter()
-                scores = None if scorer is None else scorer(prompts, gen.responses, params.k).numpy()
+                scores = scorer(prompts, gen.responses, params.k).numpy() if scorer is not None and score else None
                 scoring = time.perf_counter() - scored
                 outbox.send(("result", batch, gen.responses.numpy(), gen.logprobs.numpy(), scores, gen.version, gen.seconds, idle, reload, scoring))
                 idle = reload = 0.0

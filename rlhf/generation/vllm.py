@@ -223,11 +223,12 @@ class VLLMEngine:
         return time.perf_counter() - start
 
 
-def make_vllm_engine(kind: str, model_folder: Path, tokenizer, max_staleness: int, seed: int, max_model_len: int, work_dir: Path, reward=None, dtype: str = "float32"):
+def make_vllm_engine(kind: str, model_folder: Path, tokenizer, max_staleness: int, seed: int, max_model_len: int, work_dir: Path, reward=None, score: str = "always", dtype: str = "float32"):
     """The engine for train.engine `kind`: "vllm" (colocated, lookahead 0) or "vllm_async" (own process,
     lookahead = max_staleness >= 1). `model_folder` is a HF safetensors folder (the SFT policy) whose weights
     are version 0; `work_dir` receives the weight snapshots (one folder per version, old ones deleted).
-    `reward` (a RewardSpec, async only) makes the engine process score its batches too.
+    `reward` (a RewardSpec, async only) lets the engine process score batches too, `score` says which
+    (rlhf.generation.async_engine).
     """
     model_folder, work_dir = Path(model_folder), Path(work_dir)
     if not (model_folder / "config.json").is_file():
@@ -243,5 +244,5 @@ def make_vllm_engine(kind: str, model_folder: Path, tokenizer, max_staleness: in
 
         if max_staleness < 1:
             raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
-        return AsyncEngine(model_folder, max_staleness=max_staleness, seed=seed, max_model_len=max_model_len, work_dir=work_dir, reward=reward, dtype=dtype, **ids)
+        return AsyncEngine(model_folder, max_staleness=max_staleness, seed=seed, max_model_len=max_model_len, work_dir=work_dir, reward=reward, score=score, dtype=dtype, **ids)
     raise ValueError(f"train.engine: unknown vLLM engine {kind!r} (expected 'vllm' or 'vllm_async')")

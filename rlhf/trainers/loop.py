@@ -102,7 +102,7 @@ def _gold_judge(cfg: Config, required: bool = False):
     return GoldJudge.load(cfg.path("gold"))
 
 
-def _setup_engine(name: str, cfg: Config, model, tokenizer, max_model_len: int, reward):
+def _setup_engine(name: str, cfg: Config, model, tokenizer, max_model_len: int, reward, score: str):
     if name == "hf":
         from rlhf.generation.hf import HFEngine
 
@@ -110,7 +110,7 @@ def _setup_engine(name: str, cfg: Config, model, tokenizer, max_model_len: int, 
     from rlhf.generation.vllm import make_vllm_engine
 
     # The engine starts from the SFT weights (version 0); a resumed run syncs its own weights right after.
-    return make_vllm_engine(name, cfg.path("sft"), tokenizer, cfg.train.max_staleness, cfg.seed, max_model_len, cfg.path("train", "engine"), reward, cfg.train.engine_dtype)
+    return make_vllm_engine(name, cfg.path("sft"), tokenizer, cfg.train.max_staleness, cfg.seed, max_model_len, cfg.path("train", "engine"), reward, score, cfg.train.engine_dtype)
 
 
 def load_rl_prompts(cfg: Config, tokenizer) -> list[list[int]]:
@@ -171,8 +171,8 @@ def train(cfg: Config) -> dict:
     # transformers partition them at load time, and the reference/reward models are not DeepSpeed engines.
     tokenizer, policy, ref, value = _setup_models(cfg, objective.needs_values)
     reward = _reward_spec(cfg)
-    score_in_engine = engine_name == "vllm_async" and c.score_in_engine
-    reward_fn = None if score_in_engine else reward.build()
+    score_in_engine = "never" if engine_name != "vllm_async" else c.score_in_engine
+    reward_fn = None if score_in_engine == "always" else reward.build()
     gold = _gold_judge(cfg)
     acc = _setup_accelerator(c)
     sizes = Sizes.derive(c, acc.num_processes)
@@ -185,7 +185,7 @@ def train(cfg: Config) -> dict:
     prompts = load_rl_prompts(cfg, tokenizer)
     if engine_name != "hf" and acc.num_processes > 1:
         raise ValueError(f"train.engine={engine_name}: the vLLM engines run with one training process (got {acc.num_processes}); use train.engine=hf with several processes")
-    engine = _setup_engine(engine_name, cfg, unwrapped_policy(), tokenizer, max(map(len, prompts)) + c.response_length, reward if score_in_engine else None)
+    engine = _setup_engine(engine_name, cfg, unwrapped_policy(), tokenizer, max(map(len, prompts)) + c.response_length, reward if score_in_engine != "never" else None, score_in_engine)
     with contextlib.closing(engine):  # an error must not leave an engine process behind
         return _loop(cfg, acc, sizes, objective, model, optimizer, scheduler, unwrapped_policy, engine, prompts, tokenizer, ref, reward_fn, gold)
 
