@@ -11,27 +11,14 @@ two runs of 1,024 episodes are a few points from sampling alone, so sync and asy
 from __future__ import annotations
 
 import argparse
-import csv
-import shutil
 import statistics
-import time
 from pathlib import Path
 
 import torch
+from common import column_sum, scratch_data, timed_train  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = {"sync_hf": "online_dpo", "vllm_colocated": "online_dpo_single_vllm", "vllm_async": "online_dpo_vllm"}
-
-
-def scratch_data(src: Path, dst: Path) -> Path:
-    """A data dir that shares the pipeline's inputs (symlinks) and gets its own train/ and metrics/."""
-    shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir(parents=True)
-    for name in ("prepared", "gold", "sft", "reward"):
-        if not (src / name).exists():
-            raise SystemExit(f"{src / name} is missing: run `make run` (or `dvc repro reward`) first")
-        (dst / name).symlink_to((src / name).resolve())
-    return dst
 
 
 def eval_gold(cfg, n_prompts: int = 512) -> float:
@@ -71,18 +58,13 @@ def main() -> None:
 
 def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
     from rlhf.config import load_config
-    from rlhf.trainers.loop import train
 
     results = {}
     for name, trainer in runs.items():
-        data = scratch_data(ROOT / "data", ROOT / "bench" / "out" / name / "data")
+        data = scratch_data(ROOT / "bench" / "out" / name / "data")
         cfg = load_config(ROOT / "params.yaml", args.profile, [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", f"seed={seed}", *args.overrides])
-        start = time.perf_counter()
-        train(cfg)
-        wall = time.perf_counter() - start
-        with open(cfg.path("plots", "train.csv")) as f:
-            rows = list(csv.DictReader(f))
-        total = lambda key: sum(float(r.get(key) or 0) for r in rows)  # noqa: E731
+        wall, rows = timed_train(cfg)
+        total = lambda key: column_sum(rows, key)  # noqa: E731
         loop = total("timing/step")
         results[name] = {
             "wall_seconds": wall,  # includes model loading and engine start-up

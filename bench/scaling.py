@@ -23,7 +23,7 @@ def main() -> None:
     from rlhf import runtime
 
     runtime.configure()
-    from async_vs_sync import scratch_data
+    from common import scratch_data
 
     from rlhf.config import load_config
     from rlhf.io import write_json
@@ -40,7 +40,7 @@ def main() -> None:
     table, metrics = [], {}
     for length in map(int, args.lengths.split(",")):
         for batch in map(int, args.batches.split(",")):
-            data = scratch_data(ROOT / "data", ROOT / "bench" / "out" / "scaling" / "data")
+            data = scratch_data(ROOT / "bench" / "out" / "scaling" / "data")
             cfg = load_config(ROOT / "params.yaml", args.profile, [
                 f"data_dir={data}", f"train.trainer={args.trainer}", "tracking.wandb_mode=disabled", "tracking.log_every=1",
                 f"train.response_length={length}", f"train.per_device_train_batch_size={batch}", "train.gradient_accumulation_steps=1",

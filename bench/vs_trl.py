@@ -33,7 +33,6 @@ it. Final proxy reward: both policies are scored the same way here, with rlhf's 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import resource
@@ -44,10 +43,12 @@ import time
 from pathlib import Path
 
 import torch
+from common import column_sum, scratch_data, timed_train
 from trl_side import TRL_VERSION, ensure_trl_venv  # bench/ is sys.path[0]; its torch import is harmless here
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "vs_trl"
+OURS_INPUTS = ("prepared", "sft", "reward")  # not the gold judge: TRL does not gold-score every batch
 TARGET = 1.25
 
 
@@ -73,17 +74,6 @@ def our_config(args, algo: str, data_dir: Path):
         if bad:
             raise SystemExit(f"vs_trl: {message}")
     return cfg
-
-
-def scratch_data(dst: Path) -> Path:
-    """A data dir sharing the pipeline's prepared prompts, SFT policy and proxy RM (symlinks), not the gold judge."""
-    shutil.rmtree(dst, ignore_errors=True)
-    dst.mkdir(parents=True)
-    for name in ("prepared", "sft", "reward"):
-        if not (ROOT / "data" / name).exists():
-            raise SystemExit(f"{ROOT / 'data' / name} is missing: run `make run` (or `dvc repro reward`) first")
-        (dst / name).symlink_to((ROOT / "data" / name).resolve())
-    return dst
 
 
 def episode_prompts(cfg, tokenizer) -> tuple[list[str], list[list[int]]]:
@@ -184,20 +174,14 @@ def run_measured(cmd: list[str], log_path: Path) -> tuple[float, int]:
 def run_ours(args) -> None:
     """Child mode (--ours ALGO): our train(cfg) in a scratch data dir; writes OUT_DIR/result.json."""
     from rlhf import runtime
-    from rlhf.trainers.loop import train
-
     runtime.configure()
     # train() imports these lazily: import them first, so module imports stay out of the timings (as on TRL's side)
     import rlhf.data.splits, rlhf.generation.hf, rlhf.models.loading, rlhf.rewards.proxy  # noqa: E401, F401
 
     out = Path(args.out)
-    cfg = our_config(args, args.ours, scratch_data(out / "data"))
-    start = time.perf_counter()
-    train(cfg)
-    train_seconds = time.perf_counter() - start
-    with open(cfg.path("plots", "train.csv")) as f:
-        rows = list(csv.DictReader(f))
-    total = lambda key: sum(float(r.get(key) or 0) for r in rows)  # noqa: E731
+    cfg = our_config(args, args.ours, scratch_data(out / "data", OURS_INPUTS))
+    train_seconds, rows = timed_train(cfg)
+    total = lambda key: column_sum(rows, key)  # noqa: E731
     result = {"episodes": cfg.train.total_episodes, "steps": len(rows), "train_seconds": train_seconds, "loop_seconds": total("timing/step"),
               "generation_seconds": total("timing/generation"), "scoring_seconds": total("timing/scoring"),
               "reference_seconds": total("timing/reference"), "update_seconds": total("timing/update"),
@@ -326,7 +310,7 @@ def main() -> None:
 
     transformers.utils.logging.disable_progress_bar()  # the eval's "Loading weights" bars
     trl_python = ensure_trl_venv()
-    data = scratch_data(OUT / "spec-data")
+    data = scratch_data(OUT / "spec-data", OURS_INPUTS)
     cfgs = {algo: our_config(args, algo, data) for algo in args.algos}
     tokenizer = load_tokenizer(data / "sft")
     specs = {}

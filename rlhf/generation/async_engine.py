@@ -339,14 +339,14 @@ class _Scorer:
         from rlhf.models.loading import load_tokenizer
 
         self.reward_fn = spec.reward.build()
-        self.tokenizer = load_tokenizer(Path(spec.model_folder))
+        self.tokenizer = load_tokenizer(Path(spec.model_folder)) if self.reward_fn.needs_texts else None
         self.pad, self.eos = spec.pad_token_id, spec.eos_token_id
 
     def __call__(self, prompts: list[list[int]], responses: torch.Tensor, k: int) -> torch.Tensor:
         from rlhf.trainers.forward import assemble
 
         batch = assemble(prompts, responses, k, self.pad, self.eos)
-        return self.reward_fn(batch, batch.texts(self.tokenizer))
+        return self.reward_fn(batch, batch.texts(self.tokenizer) if self.tokenizer is not None else [])
 
 
 def _next_work(inbox, stop, parent_pid: int):

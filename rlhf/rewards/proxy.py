@@ -19,6 +19,8 @@ from rlhf.trainers.forward import ModelInput, sequence_scores
 class ProxyReward:
     """Bradley-Terry reward model read at the last real response token (the EOS when present)."""
 
+    needs_texts = False  # reads token ids only: the async engine's process skips decoding for it
+
     def __init__(self, model: torch.nn.Module, chunk: int = 64):
         self.model = model.eval()
         self.chunk = chunk
@@ -33,6 +35,8 @@ class ProxyReward:
 
 class GoldReward:
     """The gold judge as the RL reward (an upper-bound experiment: no proxy to over-optimise)."""
+
+    needs_texts = True
 
     def __init__(self, judge):
         self.judge = judge
