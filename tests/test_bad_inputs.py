@@ -196,7 +196,9 @@ def test_disk_full_while_checkpointing_removes_the_partial_checkpoint(stopped, m
 @pytest.mark.timeout(300)
 def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
     repo = make_dvc_repo(tmp_path / "project")
-    env = isolated_env(tmp_path)
+    # DVC runs stages with $SHELL; unset (cron, CI), that is /bin/sh, which on Debian is dash: it forks rather
+    # than exec the command and dies on SIGINT at once. dvc.yaml's `exec` makes the stage what DVC waits on.
+    env = {**isolated_env(tmp_path), "SHELL": "/bin/sh"}
     params = repo / "params.yaml"
     params.write_text(re.sub(r"^profile: \S+", "profile: ci", params.read_text(), count=1, flags=re.M))
     run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
@@ -214,7 +216,7 @@ def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals DVC and the stage's process together
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 255, out
-    assert "interrupted\nERROR: failed to reproduce 'prepare': failed to run: rlhf prepare, exited with 130" in out
+    assert "interrupted\nERROR: failed to reproduce 'prepare': failed to run: exec rlhf prepare, exited with 130" in out
     assert (repo / "dvc.lock").read_bytes() == lock  # the interrupted run is not recorded as done
     assert not list((repo / "data").glob(".prepared.*"))  # no half-written folder
     assert "prepare" in json.loads(run_ok(["dvc", "status", "--json", "prepare"], repo, env))
