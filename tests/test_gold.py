@@ -68,6 +68,19 @@ def test_save_load_round_trip_without_pickle(judge, labelled, tmp_path):
     assert loaded.repetition_floor == judge.repetition_floor
 
 
+def test_gold_reward_spec_travels_to_another_process_and_scores_like_the_judge(judge, tmp_path):
+    """train.reward=gold in the async engine: the pickled RewardSpec rebuilds the judge from its folder there."""
+    import pickle
+
+    from rlhf.rewards.proxy import GoldReward, RewardSpec
+
+    judge.save(tmp_path / "gold")
+    reward = pickle.loads(pickle.dumps(RewardSpec("gold", str(tmp_path / "gold")))).build()
+    assert isinstance(reward, GoldReward) and reward.needs_texts
+    texts = [POSITIVE, NEGATIVE, "great great great great great"]
+    np.testing.assert_allclose(reward(None, texts).numpy(), judge.score(texts), rtol=1e-6)
+
+
 def test_load_missing_or_corrupt_folder_names_it(judge, tmp_path):
     with pytest.raises(DataError, match=r"no_judge_here.*rlhf gold"):
         GoldJudge.load(tmp_path / "no_judge_here")

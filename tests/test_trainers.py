@@ -62,6 +62,16 @@ def test_training_changes_the_policy_and_logs_real_kl(ci_data):
     assert float(read_rows(ci_data)[-1]["objective/kl"]) != 0.0
 
 
+def test_gold_as_the_reward_optimises_the_judge_itself(ci_data):
+    """train.reward=gold: the scores the loop optimises are the judge's (without the EOS penalty, equal to the
+    logged gold metric). The async engine builds the same reward from its spec (tests/test_gold.py)."""
+    cfg = ci_config(ci_data, "train.reward=gold", "train.non_eos_penalty=false", "train.total_episodes=16")
+    train(cfg)
+    rows = read_rows(ci_data)
+    assert len(rows) == 2
+    assert all(float(r["objective/scores"]) == pytest.approx(float(r["objective/gold"]), abs=1e-6) for r in rows)
+
+
 def test_prompt_batches_are_disjoint_within_an_epoch_and_pure_functions_of_the_step():
     prompts = [[i] for i in range(12)]
     sizes = Sizes(world=2, local_batch=3, batch=6, num_batches=4, num_updates=4)

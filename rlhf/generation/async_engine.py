@@ -2,7 +2,7 @@
 
 Processes and channels:
 - The trainer (this process) and one engine process (multiprocessing "spawn"), pinned to the last allowed core
-  with torch on one thread. vLLM runs inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0, "uni" executor): one process
+  with torch on one thread. vLLM runs inside it (VLLMEngine builds it in-process, "uni" executor): one process
   to watch, to kill and to pin, no grandchild left behind when it dies, and a ~3 s engine start instead of
   ~19 s for vLLM's own engine-core process.
 - trainer -> engine: a bounded multiprocessing Queue of messages handled strictly in order,
@@ -289,7 +289,6 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
     Errors are sent back as ("error", traceback) before the process exits with code 1.
     """
     _die_with_parent(parent_pid)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM runs in this process (read when vLLM starts)
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
         os.sched_setaffinity(0, {cores[-1]})  # its own core; the trainer keeps the others

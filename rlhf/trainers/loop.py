@@ -27,6 +27,7 @@ from rlhf.algorithms.common import apply_missing_eos_penalty
 from rlhf.config import Config, TrainConfig, fingerprint
 from rlhf.runtime import crash_point
 from rlhf.generation.base import SamplingParams
+from rlhf.rewards.proxy import GoldReward, RewardSpec
 from rlhf.trainers import checkpoint
 from rlhf.trainers.forward import PolicyAndValueWrapper, assemble, response_logprobs, response_logprobs_and_values
 from rlhf.trainers.objectives import OBJECTIVES, Rollout
@@ -85,11 +86,8 @@ def _setup_models(cfg: Config, needs_values: bool):
     return tokenizer, policy, ref, value
 
 
-def _reward_spec(cfg: Config):
-    from rlhf.rewards.proxy import RewardSpec
-
+def _reward_spec(cfg: Config) -> RewardSpec:
     if cfg.train.reward == "gold":
-        _gold_judge(cfg, required=True)  # fail here, naming the folder, not in the engine process
         return RewardSpec("gold", str(cfg.path("gold")))
     return RewardSpec("proxy", str(cfg.path("reward", "model")))
 
@@ -167,13 +165,18 @@ def train(cfg: Config) -> dict:
     c = cfg.train
     algorithm, engine_name = resolve(c.trainer, c.engine)
     objective = OBJECTIVES[algorithm](c)
+    # Checked before anything loads (WORLD_SIZE is set by accelerate/torchrun launchers), so the refusal is instant.
+    if engine_name != "hf" and (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:
+        raise ValueError(f"train.engine={engine_name}: the vLLM engines run with one training process (got {world}); use train.engine=hf with several processes")
     # Models load before the Accelerator exists: under ZeRO-3 an active DeepSpeed config would make
     # transformers partition them at load time, and the reference/reward models are not DeepSpeed engines.
     tokenizer, policy, ref, value = _setup_models(cfg, objective.needs_values)
     reward = _reward_spec(cfg)
     score_in_engine = "never" if engine_name != "vllm_async" else c.score_in_engine
     reward_fn = None if score_in_engine == "always" else reward.build()
-    gold = _gold_judge(cfg)
+    # The learner always loads the judge (gold metrics) before the engine starts: a bad judge folder fails
+    # here, naming it. With train.reward=gold the reward already holds it.
+    gold = reward_fn.judge if isinstance(reward_fn, GoldReward) else _gold_judge(cfg, required=c.reward == "gold")
     acc = _setup_accelerator(c)
     sizes = Sizes.derive(c, acc.num_processes)
     set_seed(cfg.seed + acc.process_index)
@@ -183,11 +186,22 @@ def train(cfg: Config) -> dict:
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     unwrapped_policy = lambda: acc.unwrap_model(model).policy if objective.needs_values else acc.unwrap_model(model)  # noqa: E731
     prompts = load_rl_prompts(cfg, tokenizer)
-    if engine_name != "hf" and acc.num_processes > 1:
-        raise ValueError(f"train.engine={engine_name}: the vLLM engines run with one training process (got {acc.num_processes}); use train.engine=hf with several processes")
     engine = _setup_engine(engine_name, cfg, unwrapped_policy(), tokenizer, max(map(len, prompts)) + c.response_length, reward if score_in_engine != "never" else None, score_in_engine)
     with contextlib.closing(engine):  # an error must not leave an engine process behind
         return _loop(cfg, acc, sizes, objective, model, optimizer, scheduler, unwrapped_policy, engine, prompts, tokenizer, ref, reward_fn, gold)
+
+
+def _replay_in_flight(last, batch: int, engine, prompts_of, params: SamplingParams, num_batches: int) -> int:
+    """Put an async engine back where the checkpointed run had it: it was sampling batches b .. b+N-1 ahead with
+    versions b-N .. b-1, so submit them again with those versions (kept in the checkpoint) and the resumed run
+    matches an uninterrupted one. Returns the next batch to submit. A sync engine (lookahead 0) has none."""
+    engine.seek(batch)
+    end = min(batch + engine.lookahead, num_batches)
+    for b in range(batch, end):
+        if (version := b - engine.lookahead) >= 1:
+            engine.load_snapshot(last / "engine" / f"v{version:06d}", version)
+        engine.submit(prompts_of(b), params)
+    return end
 
 
 def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimizer, scheduler, unwrapped_policy, engine, prompts, tokenizer, ref, reward_fn, gold) -> dict:
@@ -199,21 +213,13 @@ def _loop(cfg: Config, acc: Accelerator, sizes: Sizes, objective, model, optimiz
     params = SamplingParams(c.k, c.response_length, c.temperature)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     shuffle = torch.Generator().manual_seed(cfg.seed + 7919 * acc.process_index)
-    state, rows = checkpoint.LoopState(), []
-    submitted = 0
+    state, rows, submitted = checkpoint.LoopState(), [], 0
     if (last := checkpoint.latest(ckpt_dir)) is not None:
         state, mine = checkpoint.load(acc, last)
         acc.print(f"resumed from {last} (batch {state.batch})")
         shuffle.set_state(torch.tensor(mine["shuffle_rng"], dtype=torch.uint8))
         rows = json.loads((last / ROWS_FILE).read_text(encoding="utf-8")) if acc.is_main_process else []
-        engine.seek(state.batch)
-        # An async engine was sampling batches b .. b+N-1 ahead, with versions b-N .. b-1: sample them again
-        # with the same versions (kept in the checkpoint), so the resumed run matches an uninterrupted one.
-        for submitted in range(state.batch, min(state.batch + engine.lookahead, sizes.num_batches)):
-            if (version := submitted - engine.lookahead) >= 1:
-                engine.load_snapshot(last / "engine" / f"v{version:06d}", version)
-            engine.submit(batch_prompts(prompts, submitted, sizes, acc.process_index, cfg.seed), params)
-        submitted = min(state.batch + engine.lookahead, sizes.num_batches)
+        submitted = _replay_in_flight(last, state.batch, engine, lambda b: batch_prompts(prompts, b, sizes, acc.process_index, cfg.seed), params, sizes.num_batches)
         engine.load_weights(unwrapped_policy(), state.batch)
     tracker = Tracker(cfg, "train", enabled=acc.is_main_process, rows=rows, run_id=state.wandb_run_id)
     bar = tqdm(range(state.batch, sizes.num_batches), desc=f"train {c.trainer}", disable=not acc.is_main_process, initial=state.batch, total=sizes.num_batches)
