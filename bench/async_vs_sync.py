@@ -102,6 +102,7 @@ def summarise(args, results: dict[str, dict], gaps: list[float], speedups: list[
               f"{r['learner_seconds']:>11.1f}{r['final_gold']:>7.3f}{r['max_staleness_seen']:>7.0f}")
     for key, value in summary.items():
         print(f"{key:<34}{value:8.3f}")
+    print("per seed: async/sync speedup " + ", ".join(f"{x:.2f}" for x in speedups) + "; gold async - sync (points) " + ", ".join(f"{g:+.1f}" for g in gaps))
     write_json(ROOT / "bench" / "metrics" / "async_vs_sync.json", {**summary, **{f"{n}/{k}": v for n, r in results.items() for k, v in r.items()}})
 
 
