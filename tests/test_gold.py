@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from rlhf.config import Config, DataConfig, GoldConfig
 from rlhf.data import reviews
 from rlhf.data.schemas import DataError
 from rlhf.rewards.gold import GoldJudge, distinct_ratio, repetition_factor
+from rlhf.rewards.proxy import GoldReward, RewardSpec
 from rlhf.stages import gold as gold_stage
 from rlhf.stages import prepare
 
@@ -70,10 +72,6 @@ def test_save_load_round_trip_without_pickle(judge, labelled, tmp_path):
 
 def test_gold_reward_spec_travels_to_another_process_and_scores_like_the_judge(judge, tmp_path):
     """train.reward=gold in the async engine: the pickled RewardSpec rebuilds the judge from its folder there."""
-    import pickle
-
-    from rlhf.rewards.proxy import GoldReward, RewardSpec
-
     judge.save(tmp_path / "gold")
     reward = pickle.loads(pickle.dumps(RewardSpec("gold", str(tmp_path / "gold")))).build()
     assert isinstance(reward, GoldReward) and reward.needs_texts
