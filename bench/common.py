@@ -11,15 +11,27 @@ ROOT = Path(__file__).resolve().parent.parent
 PIPELINE_INPUTS = ("prepared", "gold", "sft", "reward")
 
 
-def scratch_data(dst: Path, inputs: tuple[str, ...] = PIPELINE_INPUTS) -> Path:
-    """A data dir that shares the pipeline's `inputs` (symlinks) and gets its own train/ and metrics/."""
+def scratch_data(dst: Path, inputs: tuple[str, ...] = PIPELINE_INPUTS, source: Path | None = None) -> Path:
+    """A data dir that shares `inputs` of `source` (default: the pipeline's data/) by symlink and gets its own
+    train/ and metrics/."""
+    source = source or ROOT / "data"
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     for name in inputs:
-        if not (ROOT / "data" / name).exists():
-            raise SystemExit(f"{ROOT / 'data' / name} is missing: run `make run` (or `dvc repro reward`) first")
-        (dst / name).symlink_to((ROOT / "data" / name).resolve())
+        if not (source / name).exists():
+            raise SystemExit(f"{source / name} is missing: run `make run` (or `dvc repro reward`) first")
+        (dst / name).symlink_to((source / name).resolve())
     return dst
+
+
+def cpu_flags() -> str:
+    """The vector/matrix extensions of this CPU that decide bf16 and vLLM speed (benchmark tables name them)."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
+    return " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
 
 
 def timed_train(cfg) -> tuple[float, list[dict]]:

@@ -53,8 +53,8 @@ def main() -> None:
     from rlhf.data.schemas import EvalPrompts
     from rlhf.data.splits import load_split
     from rlhf.generation.base import SamplingParams
+    from rlhf.generation.factory import make_engine
     from rlhf.generation.hf import HFEngine
-    from rlhf.generation.vllm import make_vllm_engine
     from rlhf.io import write_json
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
@@ -79,8 +79,12 @@ def main() -> None:
     max_len = max(map(len, ids)) + args.tokens
 
     torch.manual_seed(0)
-    hf_seconds, hf_tokens = run_engine(HFEngine(load_causal_lm(folder, getattr(torch, args.dtype)), tokenizer.pad_token_id, eos), batches, params, eos)
-    engine = make_vllm_engine("vllm", folder, tokenizer, 1, 0, max_len, ROOT / ".cache" / "bench" / "engine", dtype=args.dtype)
+    device = runtime.device()
+    hf = HFEngine(load_causal_lm(folder, getattr(torch, args.dtype)).to(device), tokenizer.pad_token_id, eos, device)
+    hf_seconds, hf_tokens = run_engine(hf, batches, params, eos)
+    work = ROOT / ".cache" / "bench" / "engine"
+    limits = dict(seed=0, max_model_len=max_len, work_dir=work, dtype=args.dtype)
+    engine = make_engine("vllm", None, folder, tokenizer, device=device, **limits)
     try:
         run_engine(engine, batches[:1], params, eos)  # warm-up (first-call allocations), not timed
         vllm_seconds, vllm_tokens = run_engine(engine, batches, params, eos)
@@ -96,9 +100,15 @@ def main() -> None:
     result["vllm_over_hf"] = result["vllm_tokens_per_second"] / result["hf_tokens_per_second"]
     name = "smollm2" if args.model == "smollm2" else Path(args.model).name
     name += "" if args.dtype == "float32" else f"_{args.dtype}"
-    print(f"\nrollouts of {folder.name}: {len(ids)} prompts x k={args.k} x <= {args.tokens} tokens, batches of {args.batch} prompts, {args.dtype}, one thread each")
+    print(
+        f"\nrollouts of {folder.name}: {len(ids)} prompts x k={args.k} x <= {args.tokens} tokens, batches of "
+        f"{args.batch} prompts, {args.dtype}, one thread each"
+    )
     print(f"  HF generate  {result['hf_tokens_per_second']:9.1f} tokens/s  ({hf_tokens} tokens in {hf_seconds:.1f} s)")
-    print(f"  vLLM         {result['vllm_tokens_per_second']:9.1f} tokens/s  ({vllm_tokens} tokens in {vllm_seconds:.1f} s; start-up {engine.start_seconds:.1f} s)")
+    print(
+        f"  vLLM         {result['vllm_tokens_per_second']:9.1f} tokens/s  ({vllm_tokens} tokens in "
+        f"{vllm_seconds:.1f} s; start-up {engine.start_seconds:.1f} s)"
+    )
     print(f"  vLLM / HF    {result['vllm_over_hf']:9.2f}x")
     write_json(ROOT / "bench" / "metrics" / f"engines_{name}.json", result)
 

@@ -2,7 +2,8 @@
 and the peak memory (RSS) of every stage, the vLLM engine process included.
 
 Usage:
-    .venv/bin/python -m rlhf.runtime python bench/pipeline_costs.py [--profile tiny] [--runs dvc,prefect] [section.key=value ...]
+    .venv/bin/python -m rlhf.runtime python bench/pipeline_costs.py [--profile tiny] [--runs dvc,prefect] \
+        [section.key=value ...]
 A throwaway clone of the project (HEAD, with the checkout's uncommitted changes to tracked files) with its
 own empty DVC cache, so every stage really runs:
   prefect  a real Prefect server on 127.0.0.1 and the `rlhf` flow against it (as a deployment run executes
@@ -34,29 +35,25 @@ sys.path.insert(0, str(ROOT))  # flows/
 GIB = 2**30
 
 
-def sh(cmd: list[str], cwd: Path, env: dict | None = None, stdin: bytes | None = None) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True)
+def sh(cmd: list[str], cwd: Path, env: dict | None = None) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True)
     if proc.returncode:
-        raise SystemExit(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr).decode(errors='replace')[-4000:]}")
+        output = (proc.stdout + proc.stderr).decode(errors="replace")[-4000:]
+        raise SystemExit(f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{output}")
     return proc.stdout.decode()
 
 
 def make_project(root: Path, profile: str, overrides: list[str]) -> Path:
-    """A clone of this project at HEAD + uncommitted tracked changes, params set, its own DVC cache."""
-    project = root / "project"
-    sh(["git", "clone", "--quiet", "--shared", str(ROOT), str(project)], root)
-    diff = subprocess.run(["git", "diff", "--binary", "HEAD"], cwd=ROOT, capture_output=True, check=True).stdout
-    if diff.strip():
-        sh(["git", "apply", "--whitespace=nowarn"], project, stdin=diff)
-    params = yaml.safe_load((project / "params.yaml").read_text())
-    params["profile"] = profile
-    params["tracking"] = {"wandb_mode": "disabled"}
-    for item in overrides:
-        key, value = item.split("=", 1)
-        section, name = key.split(".", 1)
-        params.setdefault(section, {})[name] = yaml.safe_load(value)
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    for cmd in (["git", "add", "-A"], ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "bench params"]):
+    """A clone of this project at HEAD + uncommitted tracked changes, params set and committed, its own (empty)
+    DVC cache."""
+    from flows.workspace import clone_at_head, set_params
+
+    project = clone_at_head(ROOT, root / "project")
+    set_params(project / "params.yaml", [f"profile={profile}", "tracking.wandb_mode=disabled", *overrides])
+    for cmd in (
+        ["git", "add", "-A"],
+        ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "bench params"],
+    ):
         sh(cmd, project)
     return project
 
@@ -96,11 +93,18 @@ def run_prefect(project: Path, env: dict, trainer: str) -> float:
 
 def summarise(name: str, total: float, stats: list[dict]) -> dict:
     own = sum(s["seconds"] for s in stats)
-    print(f"\n{name}: {len(stats)} stages, total {total:.1f} s, stages' own {own:.1f} s, overhead {total - own:.1f} s = {100 * (total - own) / total:.1f}%")
+    overhead = total - own
+    print(f"\n{name}: {len(stats)} stages, total {total:.1f} s, stages' own {own:.1f} s, ", end="")
+    print(f"overhead {overhead:.1f} s = {100 * overhead / total:.1f}%")
     print(f"  {'stage':<10}{'seconds':>9}{'peak RSS GiB':>14}{'child GiB':>11}")
     for s in stats:
-        print(f"  {s['stage']:<10}{s['seconds']:>9.1f}{s['peak_rss_bytes'] / GIB:>14.2f}{s['peak_rss_child_bytes'] / GIB:>11.2f}")
-    out = {f"{name}/total_seconds": total, f"{name}/stage_seconds": own, f"{name}/overhead_fraction": (total - own) / total}
+        own_gib, child_gib = s["peak_rss_bytes"] / GIB, s["peak_rss_child_bytes"] / GIB
+        print(f"  {s['stage']:<10}{s['seconds']:>9.1f}{own_gib:>14.2f}{child_gib:>11.2f}")
+    out = {
+        f"{name}/total_seconds": total,
+        f"{name}/stage_seconds": own,
+        f"{name}/overhead_fraction": (total - own) / total,
+    }
     for s in stats:
         out[f"{name}/{s['stage']}/seconds"] = s["seconds"]
         out[f"{name}/{s['stage']}/peak_rss_gib"] = s["peak_rss_bytes"] / GIB
@@ -128,7 +132,8 @@ def main() -> None:
         bin_dir = str(Path(sys.executable).parent)
         for name in args.runs.split(","):
             stats_file = root / f"{name}.jsonl"
-            env = {**os.environ, "RLHF_STAGE_STATS": str(stats_file), "PATH": bin_dir + os.pathsep + os.environ["PATH"]}
+            path = bin_dir + os.pathsep + os.environ["PATH"]
+            env = {**os.environ, "RLHF_STAGE_STATS": str(stats_file), "PATH": path}
             if name == "dvc":
                 total = run_dvc(project, env)
             elif name == "prefect":

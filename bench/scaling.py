@@ -41,23 +41,42 @@ def main() -> None:
     for length in map(int, args.lengths.split(",")):
         for batch in map(int, args.batches.split(",")):
             data = scratch_data(ROOT / "bench" / "out" / "scaling" / "data")
-            cfg = load_config(ROOT / "params.yaml", args.profile, [
-                f"data_dir={data}", f"train.trainer={args.trainer}", "tracking.wandb_mode=disabled", "tracking.log_every=1",
-                f"train.response_length={length}", f"train.per_device_train_batch_size={batch}", "train.gradient_accumulation_steps=1",
-                "train.num_mini_batches=1", f"train.total_episodes={batch * args.iterations}", *args.overrides])
+            cfg = load_config(
+                ROOT / "params.yaml",
+                args.profile,
+                [
+                    f"data_dir={data}",
+                    f"train.trainer={args.trainer}",
+                    "tracking.wandb_mode=disabled",
+                    "tracking.log_every=1",
+                    f"train.response_length={length}",
+                    f"train.per_device_train_batch_size={batch}",
+                    "train.gradient_accumulation_steps=1",
+                    "train.num_mini_batches=1",
+                    f"train.total_episodes={batch * args.iterations}",
+                    *args.overrides,
+                ],
+            )
             train(cfg)
             with open(cfg.path("plots", "train.csv")) as f:
                 rows = list(csv.DictReader(f))[1:]
-            mean = lambda key: statistics.mean(float(r.get(key) or 0) for r in rows)  # noqa: E731
-            row = {"batch": batch, "length": length, "step": mean("timing/step"), **{p: mean(f"timing/{p}") for p in PARTS}}
+            means = {key: statistics.mean(float(r.get(f"timing/{key}") or 0) for r in rows) for key in ("step", *PARTS)}
+            row = {"batch": batch, "length": length, **means}
             row["episodes_per_second"] = batch / row["step"]
             table.append(row)
             metrics.update({f"b{batch}_t{length}/{k}": v for k, v in row.items() if k not in ("batch", "length")})
             print(f"batch {batch} x length {length}: {row['step']:.2f} s/iteration", flush=True)
-    print(f"\n{args.trainer} on {args.profile}, k={cfg.train.k}, seconds per iteration (mean of {args.iterations - 1} after a warm-up)")
+    print(
+        f"\n{args.trainer} on {args.profile}, k={cfg.train.k}, seconds per iteration (mean of {args.iterations - 1} "
+        f"after a warm-up)"
+    )
     print(f"{'prompts':>8}{'length':>8}{'step':>8}" + "".join(f"{p:>13}" for p in PARTS) + f"{'episodes/s':>12}")
     for r in table:
-        print(f"{r['batch']:>8}{r['length']:>8}{r['step']:>8.2f}" + "".join(f"{r[p]:>13.2f}" for p in PARTS) + f"{r['episodes_per_second']:>12.1f}")
+        print(
+            f"{r['batch']:>8}{r['length']:>8}{r['step']:>8.2f}"
+            + "".join(f"{r[p]:>13.2f}" for p in PARTS)
+            + f"{r['episodes_per_second']:>12.1f}"
+        )
     write_json(ROOT / "bench" / "metrics" / "scaling.json", metrics)
 
 

@@ -30,10 +30,21 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.16.0"
 TRL_VENV = ROOT / ".cache" / "bench" / "trl-venv"
-SHARED_PINS = ("torch", "transformers", "tokenizers", "safetensors", "huggingface-hub", "accelerate", "datasets", "numpy", "pandas")
+SHARED_PINS = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "huggingface-hub",
+    "accelerate",
+    "datasets",
+    "numpy",
+    "pandas",
+)
 
 
 # --- the TRL venv (bench/vs_trl.py calls this from the project venv) -------------------------------------
+
 
 def trl_requirements() -> list[str]:
     """trl==TRL_VERSION plus the project's exact pins of the libraries both sides share (torch as the CPU build)."""
@@ -56,8 +67,13 @@ def ensure_trl_venv() -> Path:
     env = {**os.environ, "PIP_CACHE_DIR": str(ROOT / ".cache" / "pip"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     cmd = [str(python), "-m", "pip", "install", "-q", *reqs]
     # The pip config's own indexes/wheel folders first (they may hold the CPU torch); else PyTorch's CPU index.
-    if subprocess.run(cmd, env=env).returncode and subprocess.run([*cmd, "--extra-index-url", "https://download.pytorch.org/whl/cpu"], env=env).returncode:
-        raise SystemExit(f"pip could not install the TRL venv ({' '.join(reqs)}) into {TRL_VENV}; see pip's output above")
+    if (
+        subprocess.run(cmd, env=env).returncode
+        and subprocess.run([*cmd, "--extra-index-url", "https://download.pytorch.org/whl/cpu"], env=env).returncode
+    ):
+        raise SystemExit(
+            f"pip could not install the TRL venv ({' '.join(reqs)}) into {TRL_VENV}; see pip's output above"
+        )
     check = subprocess.run([str(python), "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True)
     if check.returncode or check.stdout.strip() != TRL_VERSION:
         raise SystemExit(f"{TRL_VENV}: `import trl` failed or is not {TRL_VERSION}:\n{check.stderr[-2000:]}")
@@ -67,6 +83,7 @@ def ensure_trl_venv() -> Path:
 
 # --- one TRL run (in the TRL venv) -----------------------------------------------------------------------
 
+
 class ProxyRM:
     """The proxy reward model as a TRL reward callable (sync, picklable, named `proxy_rm` in TRL's logs)."""
 
@@ -75,7 +92,11 @@ class ProxyRM:
     def __init__(self, folder: str, tokenizer, eos_id: int, pad_id: int, penalty: float | None, keep: int = 8):
         from transformers import AutoModelForSequenceClassification
 
-        self.model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32).eval().requires_grad_(False)
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32)
+            .eval()
+            .requires_grad_(False)
+        )
         self.tokenizer, self.eos, self.pad, self.penalty = tokenizer, eos_id, pad_id, penalty
         self.seconds, self.calls, self.samples, self.keep = 0.0, 0, [], keep
 
@@ -103,12 +124,17 @@ class ProxyRM:
         scores = []
         for i in range(0, n, 64):  # ProxyReward's chunk
             s = slice(i, i + 64)
-            hidden = self.model.base_model(input_ids=ids[s], attention_mask=attn[s], position_ids=positions[s], use_cache=False).last_hidden_state
+            hidden = self.model.base_model(
+                input_ids=ids[s], attention_mask=attn[s], position_ids=positions[s], use_cache=False
+            ).last_hidden_state
             values = self.model.score(hidden).squeeze(-1).float()
             scores.append(values[torch.arange(len(values)), C + last[s]])
         raw = torch.cat(scores)
         if len(self.samples) < self.keep:
-            self.samples += [{"prompt_ids": p, "response_ids": list(c), "raw_score": float(x)} for p, c, x in zip(prompt_ids, completion_ids, raw)][: self.keep - len(self.samples)]
+            self.samples += [
+                {"prompt_ids": p, "response_ids": list(c), "raw_score": float(x)}
+                for p, c, x in zip(prompt_ids, completion_ids, raw)
+            ][: self.keep - len(self.samples)]
         out = raw.clone()
         if self.penalty is not None:
             out[~torch.tensor(has_eos)] = self.penalty
@@ -155,13 +181,27 @@ def timed_generate(model):
 def common_args(s: dict, out: Path) -> dict:
     """TrainingArguments shared by both trainers: our optimiser, schedule and precision, no saving/reporting."""
     return dict(
-        output_dir=str(out / "trainer"), seed=s["seed"], use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False,  # TRL defaults to True (and then generates without a KV cache); ours never checkpoints
-        learning_rate=s["learning_rate"], lr_scheduler_type=s["lr_scheduler"],
+        output_dir=str(out / "trainer"),
+        seed=s["seed"],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        # TRL defaults to True (and then generates without a KV cache); ours never checkpoints
+        gradient_checkpointing=False,
+        learning_rate=s["learning_rate"],
+        lr_scheduler_type=s["lr_scheduler"],
         warmup_steps=int(s["warmup_ratio"] * s["steps"]),  # our int(warmup_ratio * updates), as whole steps
-        max_grad_norm=s["max_grad_norm"], weight_decay=0.0, adam_epsilon=1e-8, optim="adamw_torch",
-        gradient_accumulation_steps=s["gradient_accumulation_steps"], max_steps=s["steps"],
-        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        max_grad_norm=s["max_grad_norm"],
+        weight_decay=0.0,
+        adam_epsilon=1e-8,
+        optim="adamw_torch",
+        gradient_accumulation_steps=s["gradient_accumulation_steps"],
+        max_steps=s["steps"],
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
         model_init_kwargs={"dtype": "float32", "device_map": None},  # RLOO's CPU default; OnlineDPO would use "auto"
     )
 
@@ -184,18 +224,38 @@ def build_trainer(algo: str, s: dict, out: Path, tokenizer, reward, dataset, cal
     config_cls, trainer_cls = trainer_classes(algo)
     if algo == "online_dpo":
         args = config_cls(
-            **common_args(s, out), **top, per_device_train_batch_size=s["per_device_prompts"], max_new_tokens=s["response_length"],
-            beta=s["beta"], loss_type=s["loss_type"], missing_eos_penalty=None, disable_dropout=True,
+            **common_args(s, out),
+            **top,
+            per_device_train_batch_size=s["per_device_prompts"],
+            max_new_tokens=s["response_length"],
+            beta=s["beta"],
+            loss_type=s["loss_type"],
+            missing_eos_penalty=None,
+            disable_dropout=True,
             train_sampling_strategy="sequential",  # our loop's prompt order, batch for batch
         )
     else:
         args = config_cls(
-            **common_args(s, out), **top,
+            **common_args(s, out),
+            **top,
             per_device_train_batch_size=s["per_device_prompts"] * s["k"],  # TRL counts completions, we count prompts
-            num_generations=s["k"], max_completion_length=s["response_length"], beta=s["kl_coef"], epsilon=s["cliprange"],
-            num_iterations=1, normalize_advantages=False, shuffle_dataset=False, disable_dropout=True,
+            num_generations=s["k"],
+            max_completion_length=s["response_length"],
+            beta=s["kl_coef"],
+            epsilon=s["cliprange"],
+            num_iterations=1,
+            normalize_advantages=False,
+            shuffle_dataset=False,
+            disable_dropout=True,
         )
-    return trainer_cls(model=s["sft"], reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks)
+    return trainer_cls(
+        model=s["sft"],
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
 
 
 def main() -> None:
@@ -218,11 +278,20 @@ def main() -> None:
     got = tokenizer(s["prompts"], add_special_tokens=False)["input_ids"]
     bad = [i for i, (g, want) in enumerate(zip(got, s["prompt_ids"])) if g != want]
     if bad:
-        raise SystemExit(f"trl_side: {len(bad)} prompts tokenise differently from our loop's ids (first: #{bad[0]}: {s['prompts'][bad[0]]!r})")
+        raise SystemExit(
+            f"trl_side: {len(bad)} prompts tokenise differently from our loop's ids (first: #{bad[0]}: "
+            f"{s['prompts'][bad[0]]!r})"
+        )
     dataset = datasets.Dataset.from_dict({"prompt": s["prompts"]})
     trainer_classes(s["algo"])  # module imports stay out of the timings, on both sides
     build_start = time.perf_counter()
-    reward = ProxyRM(s["reward"], tokenizer, tokenizer.eos_token_id, tokenizer.pad_token_id, s["penalty_reward_value"] if s["non_eos_penalty"] else None)
+    reward = ProxyRM(
+        s["reward"],
+        tokenizer,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        s["penalty_reward_value"] if s["non_eos_penalty"] else None,
+    )
     timer = step_timer()
     trainer = build_trainer(s["algo"], s, out, tokenizer, reward, dataset, [timer])
     setup_seconds = time.perf_counter() - build_start
@@ -233,16 +302,27 @@ def main() -> None:
     if timer.steps != s["steps"]:
         raise SystemExit(f"trl_side: TRL ran {timer.steps} optimizer steps, expected {s['steps']}")
     if gen["calls"] == 0:
-        raise SystemExit("trl_side: model.generate was never called through the wrapped model; the generation timing would be wrong")
+        raise SystemExit(
+            "trl_side: model.generate was never called through the wrapped model; the generation timing would be wrong"
+        )
     trainer.save_model(str(out / "policy"))
     if not any((out / "policy").glob("*.safetensors")):
         raise SystemExit(f"trl_side: {out / 'policy'} has no safetensors weights")
     wall_seconds = time.perf_counter() - build_start  # the counterpart of our train(cfg): load models, train, save
     result = {
-        "trl_version": trl.__version__, "transformers_version": transformers.__version__, "torch_version": torch.__version__,
-        "steps": timer.steps, "episodes": s["episodes"], "setup_seconds": setup_seconds, "train_call_seconds": train_seconds, "train_seconds": wall_seconds,
-        "loop_seconds": timer.seconds, "generation_seconds": gen["seconds"], "scoring_seconds": reward.seconds,
-        "process_seconds": time.perf_counter() - process_start, "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "trl_version": trl.__version__,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "steps": timer.steps,
+        "episodes": s["episodes"],
+        "setup_seconds": setup_seconds,
+        "train_call_seconds": train_seconds,
+        "train_seconds": wall_seconds,
+        "loop_seconds": timer.seconds,
+        "generation_seconds": gen["seconds"],
+        "scoring_seconds": reward.seconds,
+        "process_seconds": time.perf_counter() - process_start,
+        "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "log_history": trainer.state.log_history,
     }
     (out / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")

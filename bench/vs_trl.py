@@ -54,16 +54,24 @@ TARGET = 1.25
 
 # --- configuration and the spec TRL gets -----------------------------------------------------------------
 
+
 def our_config(args, algo: str, data_dir: Path):
     from rlhf.config import load_config
-    from rlhf.trainers.presets import resolve
+    from rlhf.presets import resolve
 
     episodes = [f"train.total_episodes={args.episodes}"] if args.episodes else []
-    cfg = load_config(ROOT / "params.yaml", args.profile, [f"data_dir={data_dir}", f"train.trainer={algo}", "tracking.wandb_mode=disabled", *episodes, *args.overrides])
+    cfg = load_config(
+        ROOT / "params.yaml",
+        args.profile,
+        [f"data_dir={data_dir}", f"train.trainer={algo}", "tracking.wandb_mode=disabled", *episodes, *args.overrides],
+    )
     c = cfg.train
     problems = [
         (resolve(c.trainer, c.engine)[1] != "hf", "train.engine must be hf (TRL runs HF generate)"),
-        (c.num_mini_batches != 1 or c.num_ppo_epochs != 1, "train.num_mini_batches and train.num_ppo_epochs must be 1 (one update per generated batch, as TRL)"),
+        (
+            c.num_mini_batches != 1 or c.num_ppo_epochs != 1,
+            "train.num_mini_batches and train.num_ppo_epochs must be 1 (one update per generated batch, as TRL)",
+        ),
         (algo == "online_dpo" and c.k != 2, "train.k must be 2 for online_dpo (TRL's OnlineDPO always samples 2)"),
         (algo == "rloo" and c.kl_estimator != "k1", "train.kl_estimator must be k1 for rloo (TRL's RLOO KL)"),
         (c.tis_cap is not None, "train.tis_cap has no TRL counterpart"),
@@ -80,7 +88,7 @@ def episode_prompts(cfg, tokenizer) -> tuple[list[str], list[list[int]]]:
     """The prompts our loop consumes, in its order (texts and token ids), for TRL to consume in the same order."""
     from rlhf.data.schemas import Prompts
     from rlhf.data.splits import load_split
-    from rlhf.trainers.loop import Sizes, load_rl_prompts, batch_prompts
+    from rlhf.trainers.setup import Sizes, batch_prompts, load_rl_prompts
 
     prompts = load_rl_prompts(cfg, tokenizer)
     sizes = Sizes.derive(cfg.train, 1)
@@ -94,13 +102,29 @@ def trl_spec(cfg, algo: str, tokenizer) -> dict:
     c = cfg.train
     texts, ids = episode_prompts(cfg, tokenizer)
     return {
-        "algo": algo, "sft": str(cfg.path("sft").resolve()), "reward": str(cfg.path("reward", "model").resolve()), "seed": cfg.seed,
-        "episodes": c.total_episodes, "steps": c.total_episodes // (c.per_device_train_batch_size * c.gradient_accumulation_steps),
-        "per_device_prompts": c.per_device_train_batch_size, "gradient_accumulation_steps": c.gradient_accumulation_steps, "k": c.k,
-        "response_length": c.response_length, "temperature": c.temperature, "learning_rate": c.learning_rate, "lr_scheduler": c.lr_scheduler,
-        "warmup_ratio": c.warmup_ratio, "max_grad_norm": c.max_grad_norm, "beta": c.beta, "loss_type": c.loss_type, "kl_coef": c.kl_coef,
-        "cliprange": c.cliprange, "non_eos_penalty": c.non_eos_penalty, "penalty_reward_value": c.penalty_reward_value,
-        "prompts": texts, "prompt_ids": ids,
+        "algo": algo,
+        "sft": str(cfg.path("sft").resolve()),
+        "reward": str(cfg.path("reward", "model").resolve()),
+        "seed": cfg.seed,
+        "episodes": c.total_episodes,
+        "steps": c.total_episodes // (c.per_device_train_batch_size * c.gradient_accumulation_steps),
+        "per_device_prompts": c.per_device_train_batch_size,
+        "gradient_accumulation_steps": c.gradient_accumulation_steps,
+        "k": c.k,
+        "response_length": c.response_length,
+        "temperature": c.temperature,
+        "learning_rate": c.learning_rate,
+        "lr_scheduler": c.lr_scheduler,
+        "warmup_ratio": c.warmup_ratio,
+        "max_grad_norm": c.max_grad_norm,
+        "beta": c.beta,
+        "loss_type": c.loss_type,
+        "kl_coef": c.kl_coef,
+        "cliprange": c.cliprange,
+        "non_eos_penalty": c.non_eos_penalty,
+        "penalty_reward_value": c.penalty_reward_value,
+        "prompts": texts,
+        "prompt_ids": ids,
     }
 
 
@@ -110,17 +134,42 @@ def settings_rows(cfg, algo: str) -> list[tuple[str, str, str]]:
     P, G, T = c.per_device_train_batch_size, c.gradient_accumulation_steps, c.temperature
     steps = c.total_episodes // (P * G)
     rows = [
-        ("episodes (prompts) / optimizer steps", f"{c.total_episodes} / {steps}", f"{steps * P * G} / max_steps={steps}"),
-        ("prompts per step", f"P*G*M = {P}*{G}*1", f"per_device_train_batch_size={P if algo == 'online_dpo' else P * c.k}"
-         + ("" if algo == "online_dpo" else " completions") + f", grad_accum={G}"),
+        (
+            "episodes (prompts) / optimizer steps",
+            f"{c.total_episodes} / {steps}",
+            f"{steps * P * G} / max_steps={steps}",
+        ),
+        (
+            "prompts per step",
+            f"P*G*M = {P}*{G}*1",
+            f"per_device_train_batch_size={P if algo == 'online_dpo' else P * c.k}"
+            + ("" if algo == "online_dpo" else " completions")
+            + f", grad_accum={G}",
+        ),
         ("samples per prompt", f"k={c.k}", "2 (fixed)" if algo == "online_dpo" else f"num_generations={c.k}"),
         ("max new tokens", str(c.response_length), str(c.response_length)),
         ("sampling", f"T={T}, top_k off, top_p 1", f"T={T}, top_k=0, top_p=1.0"),
-        ("log-prob temperature", f"logits/{T}", "logits/1  (NOT matched: TRL OnlineDPO)" if algo == "online_dpo" else f"logits/{T}"),
-        ("optimizer", f"AdamW lr={c.learning_rate:g} eps=1e-8 wd=0", f"adamw_torch lr={c.learning_rate:g} eps=1e-8 wd=0"),
-        ("schedule / warm-up / clip", f"{c.lr_scheduler} / {c.warmup_ratio} / {c.max_grad_norm}", f"{c.lr_scheduler} / {c.warmup_ratio} / {c.max_grad_norm}"),
-        ("missing EOS", f"score := {c.penalty_reward_value}" if c.non_eos_penalty else "none",
-         (f"score := {c.penalty_reward_value} in the reward callable" if c.non_eos_penalty else "none") + " (TRL's own penalty unused)"),
+        (
+            "log-prob temperature",
+            f"logits/{T}",
+            "logits/1  (NOT matched: TRL OnlineDPO)" if algo == "online_dpo" else f"logits/{T}",
+        ),
+        (
+            "optimizer",
+            f"AdamW lr={c.learning_rate:g} eps=1e-8 wd=0",
+            f"adamw_torch lr={c.learning_rate:g} eps=1e-8 wd=0",
+        ),
+        (
+            "schedule / warm-up / clip",
+            f"{c.lr_scheduler} / {c.warmup_ratio} / {c.max_grad_norm}",
+            f"{c.lr_scheduler} / {c.warmup_ratio} / {c.max_grad_norm}",
+        ),
+        (
+            "missing EOS",
+            f"score := {c.penalty_reward_value}" if c.non_eos_penalty else "none",
+            (f"score := {c.penalty_reward_value} in the reward callable" if c.non_eos_penalty else "none")
+            + " (TRL's own penalty unused)",
+        ),
         ("generation", "engine hf (HF generate on the policy)", "HF generate on the policy (no vLLM)"),
         ("reward", "proxy RM at last response token", "same, as a reward callable (checked below)"),
         ("prompt order", "loop's permutation", "same list, sequential sampler"),
@@ -129,18 +178,30 @@ def settings_rows(cfg, algo: str) -> list[tuple[str, str, str]]:
     if algo == "online_dpo":
         from rlhf.trainers.objectives import OBJECTIVES
 
-        reuse = not getattr(OBJECTIVES[algo], "needs_behaviour_logprobs", True)  # KL/entropy stats from the sampler's log-probs
+        reuse = not getattr(
+            OBJECTIVES[algo], "needs_behaviour_logprobs", True
+        )  # KL/entropy stats from the sampler's log-probs
         forwards = "ref + policy grad" if reuse else "policy no-grad (stats) + ref + policy grad"
-        rows += [("DPO beta / loss", f"{c.beta} / {c.loss_type}", f"{c.beta} / {c.loss_type}"),
-                 ("tied pairs", "dropped", "kept, first sample chosen  (NOT matched)"),
-                 ("forwards per batch", forwards, "ref + policy grad")]
+        rows += [
+            ("DPO beta / loss", f"{c.beta} / {c.loss_type}", f"{c.beta} / {c.loss_type}"),
+            ("tied pairs", "dropped", "kept, first sample chosen  (NOT matched)"),
+            ("forwards per batch", forwards, "ref + policy grad"),
+        ]
     else:
-        rows += [("KL coef (k1, in reward)", str(c.kl_coef), f"beta={c.kl_coef}"), ("clip range / advantages", f"{c.cliprange} / RLOO, unnormalised", f"epsilon={c.cliprange} / normalize_advantages=False"),
-                 ("forwards per batch", "policy no-grad + ref + policy grad", "policy no-grad + ref + policy grad")]
+        rows += [
+            ("KL coef (k1, in reward)", str(c.kl_coef), f"beta={c.kl_coef}"),
+            (
+                "clip range / advantages",
+                f"{c.cliprange} / RLOO, unnormalised",
+                f"epsilon={c.cliprange} / normalize_advantages=False",
+            ),
+            ("forwards per batch", "policy no-grad + ref + policy grad", "policy no-grad + ref + policy grad"),
+        ]
     return rows
 
 
 # --- running and measuring one side ----------------------------------------------------------------------
+
 
 def run_measured(cmd: list[str], log_path: Path) -> tuple[float, int]:
     """Run cmd to completion; (wall seconds, peak RSS bytes of its process tree sampled every 0.2 s)."""
@@ -174,18 +235,30 @@ def run_measured(cmd: list[str], log_path: Path) -> tuple[float, int]:
 def run_ours(args) -> None:
     """Child mode (--ours ALGO): our train(cfg) in a scratch data dir; writes OUT_DIR/result.json."""
     from rlhf import runtime
+
     runtime.configure()
     # train() imports these lazily: import them first, so module imports stay out of the timings (as on TRL's side)
-    import rlhf.data.splits, rlhf.generation.hf, rlhf.models.loading, rlhf.rewards.proxy  # noqa: E401, F401
+    import rlhf.data.splits  # noqa: F401
+    import rlhf.generation.hf  # noqa: F401
+    import rlhf.models.loading  # noqa: F401
+    import rlhf.rewards.proxy  # noqa: F401
 
     out = Path(args.out)
     cfg = our_config(args, args.ours, scratch_data(out / "data", OURS_INPUTS))
     train_seconds, rows = timed_train(cfg)
     total = lambda key: column_sum(rows, key)  # noqa: E731
-    result = {"episodes": cfg.train.total_episodes, "steps": len(rows), "train_seconds": train_seconds, "loop_seconds": total("timing/step"),
-              "generation_seconds": total("timing/generation"), "scoring_seconds": total("timing/scoring"),
-              "reference_seconds": total("timing/reference"), "update_seconds": total("timing/update"),
-              "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "policy": str(cfg.path("train", "policy"))}
+    result = {
+        "episodes": cfg.train.total_episodes,
+        "steps": len(rows),
+        "train_seconds": train_seconds,
+        "loop_seconds": total("timing/step"),
+        "generation_seconds": total("timing/generation"),
+        "scoring_seconds": total("timing/scoring"),
+        "reference_seconds": total("timing/reference"),
+        "update_seconds": total("timing/update"),
+        "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "policy": str(cfg.path("train", "policy")),
+    }
     (out / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
 
 
@@ -194,14 +267,31 @@ def run_side(side: str, algo: str, rep: int, args, trl_python: Path, spec_path: 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     if side == "ours":
-        cmd = [sys.executable, str(Path(__file__)), "--ours", algo, "--out", str(out), "--profile", args.profile,
-               *(["--episodes", str(args.episodes)] if args.episodes else []), *args.overrides]
+        cmd = [
+            sys.executable,
+            str(Path(__file__)),
+            "--ours",
+            algo,
+            "--out",
+            str(out),
+            "--profile",
+            args.profile,
+            *(["--episodes", str(args.episodes)] if args.episodes else []),
+            *args.overrides,
+        ]
     else:
         cmd = [str(trl_python), str(ROOT / "bench" / "trl_side.py"), "--spec", str(spec_path), "--out", str(out)]
     print(f"  {side} {algo} #{rep} ...", end=" ", flush=True)
     wall, sampled = run_measured(cmd, out / "log.txt")
     r = json.loads((out / "result.json").read_text(encoding="utf-8"))
-    r.update(side=side, algo=algo, rep=rep, process_seconds=wall, peak_rss_bytes=max(sampled, r["ru_maxrss_kib"] * 1024), out=str(out))
+    r.update(
+        side=side,
+        algo=algo,
+        rep=rep,
+        process_seconds=wall,
+        peak_rss_bytes=max(sampled, r["ru_maxrss_kib"] * 1024),
+        out=str(out),
+    )
     r.setdefault("policy", str(out / "policy"))
     print(f"{wall:.0f} s", flush=True)
     return r
@@ -209,38 +299,41 @@ def run_side(side: str, algo: str, rep: int, args, trl_python: Path, spec_path: 
 
 # --- the same final measure for both ---------------------------------------------------------------------
 
+
 @torch.no_grad()
 def final_reward(folder: Path, cfg, tokenizer, reward_fn, prompts: list[list[int]]) -> tuple[float, float, list[float]]:
     """Proxy reward (missing-EOS rule as in training) of one sample per eval prompt at the train temperature:
     (mean, EOS rate, per-sample scores)."""
+    from rlhf import runtime
     from rlhf.algorithms.common import apply_missing_eos_penalty
     from rlhf.generation.base import SamplingParams
-    from rlhf.generation.hf import HFEngine
+    from rlhf.generation.sampling import sample
     from rlhf.models.loading import load_causal_lm
-    from rlhf.trainers.forward import assemble
 
     c = cfg.train
     torch.manual_seed(cfg.seed)
-    engine = HFEngine(load_causal_lm(folder), tokenizer.pad_token_id, tokenizer.eos_token_id)
     params = SamplingParams(1, c.response_length, c.temperature)
     scores, eos = [], []
-    for i in range(0, len(prompts), 64):
-        engine.submit(prompts[i : i + 64], params)
-        batch = assemble(prompts[i : i + 64], engine.receive().responses, 1, tokenizer.pad_token_id, tokenizer.eos_token_id)
-        raw = reward_fn(batch, batch.texts(tokenizer))
-        scores += (apply_missing_eos_penalty(raw, batch.has_eos, c.penalty_reward_value) if c.non_eos_penalty else raw).tolist()
-        eos += batch.has_eos.tolist()
+    device = runtime.device()
+    for s in sample(load_causal_lm(folder).to(device), tokenizer, prompts, params, 64, device, score=reward_fn):
+        has_eos = s.batch.has_eos
+        scores += (
+            apply_missing_eos_penalty(s.scores, has_eos, c.penalty_reward_value) if c.non_eos_penalty else s.scores
+        ).tolist()
+        eos += has_eos.tolist()
     return sum(scores) / len(scores), sum(eos) / len(eos), scores
 
 
 @torch.no_grad()
 def reward_check(samples: list[dict], tokenizer, reward_fn) -> float:
     """Max |TRL-side raw score - rlhf ProxyReward| over the samples trl_side kept."""
-    from rlhf.trainers.forward import assemble
+    from rlhf.models.batch import assemble
 
     worst = 0.0
     for s in samples:
-        batch = assemble([s["prompt_ids"]], torch.tensor([s["response_ids"]]), 1, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        batch = assemble(
+            [s["prompt_ids"]], torch.tensor([s["response_ids"]]), 1, tokenizer.pad_token_id, tokenizer.eos_token_id
+        )
         worst = max(worst, abs(float(reward_fn(batch, batch.texts(tokenizer))[0]) - s["raw_score"]))
     return worst
 
@@ -254,8 +347,19 @@ def se_of_diff(a: list[float], b: list[float]) -> float:
     return math.sqrt(var(a) / len(a) + var(b) / len(b))
 
 
-AVERAGED = ("eps_loop", "eps_wall", "loop_seconds", "train_seconds", "process_seconds", "peak_rss_bytes", "final_proxy_reward",
-            "final_eos_rate", "generation_seconds", "scoring_seconds", "learner_seconds")
+AVERAGED = (
+    "eps_loop",
+    "eps_wall",
+    "loop_seconds",
+    "train_seconds",
+    "process_seconds",
+    "peak_rss_bytes",
+    "final_proxy_reward",
+    "final_eos_rate",
+    "generation_seconds",
+    "scoring_seconds",
+    "learner_seconds",
+)
 
 
 def compare(algo: str, runs: list[dict]) -> dict:
@@ -266,34 +370,47 @@ def compare(algo: str, runs: list[dict]) -> dict:
     se = mean([se_of_diff(o["scores"], t["scores"]) for o, t in zip(side["ours"], side["trl"])])
     trl_call = mean([r["train_call_seconds"] for r in side["trl"]])
     m = {f"{algo}/{s}/{k}": v for s in avg for k, v in avg[s].items()}
-    m.update({
-        f"{algo}/trl/train_call_seconds": trl_call,
-        f"{algo}/speedup_eps_loop": avg["ours"]["eps_loop"] / avg["trl"]["eps_loop"],
-        f"{algo}/speedup_eps_wall": avg["ours"]["eps_wall"] / avg["trl"]["eps_wall"],
-        f"{algo}/speedup_ours_loop_vs_trl_train_call": trl_call / avg["ours"]["loop_seconds"],
-        f"{algo}/rss_ratio": avg["ours"]["peak_rss_bytes"] / avg["trl"]["peak_rss_bytes"],
-        f"{algo}/reward_ours_minus_trl": avg["ours"]["final_proxy_reward"] - avg["trl"]["final_proxy_reward"],
-        f"{algo}/reward_diff_se": se,
-        f"{algo}/trl_reward_check_max_abs_diff": max(r["reward_check_max_abs_diff"] for r in side["trl"]),
-    })
-    m[f"{algo}/target_met"] = int(m[f"{algo}/speedup_eps_loop"] >= TARGET and m[f"{algo}/reward_ours_minus_trl"] >= -2 * se)
+    m.update(
+        {
+            f"{algo}/trl/train_call_seconds": trl_call,
+            f"{algo}/speedup_eps_loop": avg["ours"]["eps_loop"] / avg["trl"]["eps_loop"],
+            f"{algo}/speedup_eps_wall": avg["ours"]["eps_wall"] / avg["trl"]["eps_wall"],
+            f"{algo}/speedup_ours_loop_vs_trl_train_call": trl_call / avg["ours"]["loop_seconds"],
+            f"{algo}/rss_ratio": avg["ours"]["peak_rss_bytes"] / avg["trl"]["peak_rss_bytes"],
+            f"{algo}/reward_ours_minus_trl": avg["ours"]["final_proxy_reward"] - avg["trl"]["final_proxy_reward"],
+            f"{algo}/reward_diff_se": se,
+            f"{algo}/trl_reward_check_max_abs_diff": max(r["reward_check_max_abs_diff"] for r in side["trl"]),
+        }
+    )
+    m[f"{algo}/target_met"] = int(
+        m[f"{algo}/speedup_eps_loop"] >= TARGET and m[f"{algo}/reward_ours_minus_trl"] >= -2 * se
+    )
     g = lambda k: m[f"{algo}/{k}"]  # noqa: E731
-    print(f"  {algo:<11} episodes/s loop vs loop {g('speedup_eps_loop'):.2f}x (ours loop vs TRL train() {g('speedup_ours_loop_vs_trl_train_call'):.2f}x), "
-          f"wall vs wall {g('speedup_eps_wall'):.2f}x; peak RSS {g('rss_ratio'):.2f}x; reward {g('reward_ours_minus_trl'):+.3f} (s.e. {se:.3f}) "
-          f"-> target {'MET' if g('target_met') else 'MISSED'}\n  {'':<11} TRL's reward callable vs rlhf ProxyReward: max |diff| {g('trl_reward_check_max_abs_diff'):.1e}")
+    print(
+        f"  {algo:<11} episodes/s loop vs loop {g('speedup_eps_loop'):.2f}x (ours loop vs TRL train() "
+        f"{g('speedup_ours_loop_vs_trl_train_call'):.2f}x), "
+        f"wall vs wall {g('speedup_eps_wall'):.2f}x; peak RSS {g('rss_ratio'):.2f}x; reward "
+        f"{g('reward_ours_minus_trl'):+.3f} (s.e. {se:.3f}) "
+        f"-> target {'MET' if g('target_met') else 'MISSED'}\n  {'':<11} TRL's reward callable vs rlhf ProxyReward: "
+        f"max |diff| {g('trl_reward_check_max_abs_diff'):.1e}"
+    )
     return m
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="tiny")
-    ap.add_argument("--episodes", type=int, default=None, help="train.total_episodes for both sides (default: the profile's)")
+    ap.add_argument(
+        "--episodes", type=int, default=None, help="train.total_episodes for both sides (default: the profile's)"
+    )
     ap.add_argument("--repeats", type=int, default=1, help="alternating rounds of ours/TRL per algorithm")
     ap.add_argument("--algos", nargs="+", default=["online_dpo", "rloo"], choices=["online_dpo", "rloo"])
     ap.add_argument("--eval-prompts", type=int, default=256)
     ap.add_argument("--ours", choices=["online_dpo", "rloo"], help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("overrides", nargs="*", help="key=value params overrides, applied to ours and mirrored into TRL's settings")
+    ap.add_argument(
+        "overrides", nargs="*", help="key=value params overrides, applied to ours and mirrored into TRL's settings"
+    )
     args = ap.parse_args()
     if args.ours:
         return run_ours(args)
@@ -334,28 +451,55 @@ def main() -> None:
     eval_ids = tokenizer(eval_texts, add_special_tokens=True)["input_ids"]
     sft_reward, sft_eos, _ = final_reward(data / "sft", cfg0, tokenizer, reward_fn, eval_ids)
     for r in runs:
-        r["final_proxy_reward"], r["final_eos_rate"], r["scores"] = final_reward(Path(r["policy"]), cfgs[r["algo"]], tokenizer, reward_fn, eval_ids)
+        r["final_proxy_reward"], r["final_eos_rate"], r["scores"] = final_reward(
+            Path(r["policy"]), cfgs[r["algo"]], tokenizer, reward_fn, eval_ids
+        )
         r["eps_loop"], r["eps_wall"] = r["episodes"] / r["loop_seconds"], r["episodes"] / r["train_seconds"]
         r["learner_seconds"] = r["loop_seconds"] - r["generation_seconds"] - r["scoring_seconds"]
         if r["side"] == "trl":
-            r["reward_check_max_abs_diff"] = reward_check(json.loads((Path(r["out"]) / "reward_check.json").read_text()), tokenizer, reward_fn)
+            r["reward_check_max_abs_diff"] = reward_check(
+                json.loads((Path(r["out"]) / "reward_check.json").read_text()), tokenizer, reward_fn
+            )
 
-    print(f"\nresults: profile {args.profile}, one torch thread per process; eps = episodes (prompts) / s; reward = final proxy reward "
-          f"on {len(eval_ids)} eval prompts (SFT start: {sft_reward:.3f}, EOS rate {sft_eos:.2f})")
-    print(f"{'run':<20}{'episodes':>9}{'loop s':>8}{'wall s':>8}{'proc s':>8}{'eps loop':>10}{'eps wall':>10}{'peak RSS GiB':>13}{'reward':>8}{'EOS':>6}")
+    print(
+        f"\nresults: profile {args.profile}, one torch thread per process; eps = episodes (prompts) / s; reward = "
+        f"final proxy reward "
+        f"on {len(eval_ids)} eval prompts (SFT start: {sft_reward:.3f}, EOS rate {sft_eos:.2f})"
+    )
+    print(
+        f"{'run':<20}{'episodes':>9}{'loop s':>8}{'wall s':>8}{'proc s':>8}{'eps loop':>10}{'eps wall':>10}"
+        f"{'peak RSS GiB':>13}{'reward':>8}{'EOS':>6}"
+    )
     for r in runs:
         name = f"{r['side']} {r['algo']} #{r['rep']}"
-        print(f"{name:<20}{r['episodes']:>9}{r['loop_seconds']:>8.1f}{r['train_seconds']:>8.1f}{r['process_seconds']:>8.1f}{r['eps_loop']:>10.2f}"
-              f"{r['eps_wall']:>10.2f}{r['peak_rss_bytes'] / 2**30:>13.3f}{r['final_proxy_reward']:>8.3f}{r['final_eos_rate']:>6.2f}")
-    print("\ntiming breakdown, s (learner = loop - generation - scoring: forwards, backward, optimizer; ours splits it into\n"
-          "reference = no-grad forwards + objective.prepare, and update = grad forward/backward/step)")
+        print(
+            f"{name:<20}{r['episodes']:>9}{r['loop_seconds']:>8.1f}{r['train_seconds']:>8.1f}"
+            f"{r['process_seconds']:>8.1f}{r['eps_loop']:>10.2f}"
+            f"{r['eps_wall']:>10.2f}{r['peak_rss_bytes'] / 2**30:>13.3f}"
+            f"{r['final_proxy_reward']:>8.3f}{r['final_eos_rate']:>6.2f}"
+        )
+    print(
+        "\ntiming breakdown, s (learner = loop - generation - scoring: forwards, backward, optimizer; ours splits it "
+        "into\n"
+        "reference = no-grad forwards + objective.prepare, and update = grad forward/backward/step)"
+    )
     print(f"{'run':<20}{'generation':>11}{'scoring':>9}{'learner':>9}{'ours: reference':>17}{'ours: update':>14}")
     for r in runs:
-        extra = f"{r['reference_seconds']:>17.1f}{r['update_seconds']:>14.1f}" if r["side"] == "ours" else f"{'-':>17}{'-':>14}"
-        print(f"{r['side'] + ' ' + r['algo']:<20}{r['generation_seconds']:>11.1f}{r['scoring_seconds']:>9.1f}{r['learner_seconds']:>9.1f}{extra}")
+        extra = (
+            f"{r['reference_seconds']:>17.1f}{r['update_seconds']:>14.1f}"
+            if r["side"] == "ours"
+            else f"{'-':>17}{'-':>14}"
+        )
+        print(
+            f"{r['side'] + ' ' + r['algo']:<20}{r['generation_seconds']:>11.1f}{r['scoring_seconds']:>9.1f}"
+            f"{r['learner_seconds']:>9.1f}{extra}"
+        )
 
     metrics = {"sft/final_proxy_reward": sft_reward, "repeats": args.repeats}
-    print(f"\nours / TRL (means over {args.repeats} round(s)); target: loop eps ratio >= {TARGET} at reward >= TRL's - 2 s.e.")
+    print(
+        f"\nours / TRL (means over {args.repeats} round(s)); target: loop eps ratio >= {TARGET} at reward >= TRL's - "
+        f"2 s.e."
+    )
     for algo in args.algos:
         metrics.update(compare(algo, [r for r in runs if r["algo"] == algo]))
     path = ROOT / "bench" / "metrics" / "vs_trl.json"

@@ -44,14 +44,16 @@ def deployments() -> list:
     out = []
     for trainer in TRAINERS:
         schedules = [Cron(EXAMPLE_CRON, timezone="UTC", active=False)] if trainer == SCHEDULED_TRAINER else None
-        out.append(rlhf.to_deployment(
-            name=deployment_name(trainer),
-            parameters={"trainer": trainer},
-            schedules=schedules,
-            description=f"The dvc.yaml pipeline with train.trainer={trainer}, saved as a DVC experiment.",
-            tags=["rlhf", trainer],
-            entrypoint_type=EntrypointType.MODULE_PATH,  # flows.rlhf_flow.rlhf, importable from any directory
-        ))
+        out.append(
+            rlhf.to_deployment(
+                name=deployment_name(trainer),
+                parameters={"trainer": trainer},
+                schedules=schedules,
+                description=f"The dvc.yaml pipeline with train.trainer={trainer}, saved as a DVC experiment.",
+                tags=["rlhf", trainer],
+                entrypoint_type=EntrypointType.MODULE_PATH,  # flows.rlhf_flow.rlhf, importable from any directory
+            )
+        )
     return out
 
 
@@ -67,7 +69,9 @@ def start_server(port: int, log_path: Path) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
     with log_path.open("ab") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
 
 def wait_healthy(api_url: str, server: subprocess.Popen, timeout: float = 120.0) -> float:
@@ -105,7 +109,9 @@ def _raise_interrupt(signum, frame):  # SIGTERM (a supervisor, a test) shuts dow
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flows.deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--port", type=int, default=int(os.environ.get("PREFECT_PORT", DEFAULT_PORT)))
     parser.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1: a run uses the whole CPU)")
     args = parser.parse_args(argv)

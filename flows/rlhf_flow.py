@@ -18,23 +18,22 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.runtime import flow_run
 
-from rlhf.config import ConfigError, TrainConfig, load_config, parse_yaml
-from tasks.stages import metrics_files, run_stage, stage_graph, stage_order
+from flows.workspace import clone_at_head, run_tool, set_params
+from rlhf.config import load_config
+from rlhf.presets import PRESETS
+from tasks.stages import Pipeline, run_stage
 
-# The trainer names come from the config schema, the one place they are defined.
-TRAINERS: tuple[str, ...] = get_args(TrainConfig.model_fields["trainer"].annotation)
+TRAINERS: tuple[str, ...] = tuple(PRESETS)
 Trainer = Literal[TRAINERS]  # type: ignore[valid-type]  # a dropdown in the Prefect UI
 
 
@@ -46,17 +45,6 @@ def project_dir() -> Path:
     return root
 
 
-def _run(cmd: list[str], cwd: Path, stdin: bytes | None = None) -> str:
-    """Run a git/dvc command; on failure raise with its output (these are setup steps, not stages)."""
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True)
-    if proc.returncode != 0:
-        out = (proc.stdout + proc.stderr).decode(errors="replace").strip()
-        raise RuntimeError(f"`{' '.join(cmd)}` failed in {cwd} (exit {proc.returncode}):\n{out}")
-    return proc.stdout.decode(errors="replace")
-
-
 def experiment_name(trainer: str, run_name: str | None) -> str:
     """`<trainer>-<flow run name>` with only characters a git ref accepts (e.g. `ppo-crimson-fox`)."""
     name = f"{trainer.replace('_', '-')}-{run_name or 'run'}"
@@ -65,31 +53,8 @@ def experiment_name(trainer: str, run_name: str | None) -> str:
 
 def existing_experiments(project: Path) -> set[str]:
     """Names of the DVC experiments in the project (refs/exps/<baseline>/<name>)."""
-    refs = _run(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], project).split()
+    refs = run_tool(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], project).split()
     return {r.rsplit("/", 1)[-1] for r in refs if not r.startswith("refs/exps/exec/")}
-
-
-def set_params(params_path: Path, profile: str | None, trainer: str, overrides: list[str]) -> None:
-    """Write the run's parameters into params.yaml (comments kept), as `dvc exp run -S` would.
-
-    `profile` sets the top-level `profile`; `trainer` sets `train.trainer`; each override `a.b=v` sets
-    that key (v parsed as YAML, like `rlhf ... a.b=v`).
-    """
-    from dvc.utils.serialize import modify_yaml  # comment-preserving round trip, as DVC's own -S uses
-
-    items = [*([f"profile={profile}"] if profile else []), f"train.trainer={trainer}", *overrides]
-    with modify_yaml(params_path) as params:
-        for item in items:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.k=4)")
-            key, value = item.split("=", 1)
-            *parents, leaf = key.strip().split(".")
-            node = params
-            for part in parents:
-                if not isinstance(node.get(part), dict):
-                    node[part] = {}
-                node = node[part]
-            node[leaf] = parse_yaml(value, f"override {key}") if value != "" else None
 
 
 @contextmanager
@@ -104,47 +69,42 @@ def workspace(project: Path, name: str) -> Iterator[Path]:
     if parent:
         Path(parent).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-", dir=parent))
-    ws = root / "repo"
     try:
-        head = _run(["git", "rev-parse", "HEAD"], project).strip()
-        cache_dir = _run(["dvc", "cache", "dir"], project).strip()
-        _run(["git", "clone", "--quiet", "--shared", "--no-checkout", str(project), str(ws)], root)
-        _run(["git", "checkout", "--quiet", "--detach", head], ws)
-        for key in ("user.name", "user.email"):  # the experiment commit's author: the user's identity
-            value = subprocess.run(["git", "config", key], cwd=project, capture_output=True, text=True).stdout.strip()
-            if value:
-                _run(["git", "config", key, value], ws)
-        diff = subprocess.run(["git", "diff", "--binary", "HEAD"], cwd=project, capture_output=True, check=True).stdout
-        if diff.strip():
-            _run(["git", "apply", "--whitespace=nowarn"], ws, stdin=diff)
-        _run(["dvc", "config", "--local", "cache.dir", cache_dir], ws)
+        ws = clone_at_head(project, root / "repo")
+        cache_dir = run_tool(["dvc", "cache", "dir"], project).strip()
+        run_tool(["dvc", "config", "--local", "cache.dir", cache_dir], ws)
         yield ws
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
 @task(name="dvc exp save", task_run_name="dvc exp save", cache_policy=NONE)
-def save_experiment(project: str, ws: str, name: str, stages: list[str]) -> str:
+def save_experiment(project: str, ws: str, name: str, metrics: list[str]) -> str:
     """`dvc exp save` the workspace as experiment `name` and fetch its ref into the project.
 
     dvc.lock and the metrics/plots files go in: they are `cache: false` outputs that git ignores, and `-I`
     puts them in the experiment commit so `dvc exp show` / `dvc plots diff` can read them. Returns the ref.
     """
     ws_path = Path(ws)
-    files = ["dvc.lock", *(f for s in stages for f in metrics_files(ws_path / "dvc.yaml", s))]
+    files = ["dvc.lock", *metrics]
     files += [str(p.relative_to(ws_path)) for p in sorted((ws_path / "data" / "plots").glob("*.csv"))]
     includes = [arg for f in dict.fromkeys(files) if (ws_path / f).exists() for arg in ("-I", f)]
-    out = _run(["dvc", "exp", "save", "--name", name, *includes], ws_path)
-    refs = _run(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], ws_path).split()
+    out = run_tool(["dvc", "exp", "save", "--name", name, *includes], ws_path)
+    refs = run_tool(["git", "for-each-ref", "--format=%(refname)", "refs/exps/"], ws_path).split()
     ref = next(r for r in refs if r.endswith(f"/{name}") and not r.startswith("refs/exps/exec/"))
     # Fetching creates the ref (refusing to overwrite an existing one) and copies the commit's objects.
-    _run(["git", "fetch", "--quiet", "--no-tags", str(ws_path), f"{ref}:{ref}"], Path(project))
+    run_tool(["git", "fetch", "--quiet", "--no-tags", str(ws_path), f"{ref}:{ref}"], Path(project))
     get_run_logger().info("%s (%s)", out.strip(), ref)
     return ref
 
 
 @flow(name="rlhf", description="The dvc.yaml pipeline with one trainer, saved as a DVC experiment.")
-def rlhf(trainer: Trainer = "online_dpo", profile: str | None = None, overrides: list[str] | None = None, experiment: str | None = None) -> dict:
+def rlhf(
+    trainer: Trainer = "online_dpo",
+    profile: str | None = None,
+    overrides: list[str] | None = None,
+    experiment: str | None = None,
+) -> dict:
     """Run every dvc.yaml stage for `trainer` and save the run as DVC experiment `experiment`.
 
     trainer: train.trainer preset. profile: params.yaml profile (None = the file's `profile`).
@@ -160,15 +120,24 @@ def rlhf(trainer: Trainer = "online_dpo", profile: str | None = None, overrides:
     if name in existing_experiments(project):
         raise ValueError(f"experiment {name!r} already exists in {project}; pick another `experiment` name")
     with workspace(project, name) as ws:
-        set_params(ws / "params.yaml", profile, trainer, list(overrides or []))
+        items = [*([f"profile={profile}"] if profile else []), f"train.trainer={trainer}", *(overrides or [])]
+        set_params(ws / "params.yaml", items)
         cfg = load_config(ws / "params.yaml")  # a bad parameter fails here, before any stage (no retry)
-        graph = stage_graph(ws / "dvc.yaml")  # the run's dvc.yaml: HEAD plus the checkout's edits
-        stages = stage_order(graph)
-        logger.info("experiment %s of %s in %s: profile %s, trainer %s, stages %s", name, project, ws, cfg.profile, cfg.train.trainer, " -> ".join(stages))
+        pipeline = Pipeline.read(ws)  # the run's dvc.yaml: HEAD plus the checkout's edits
+        logger.info(
+            "experiment %s of %s in %s: profile %s, trainer %s, stages %s",
+            name,
+            project,
+            ws,
+            cfg.profile,
+            cfg.train.trainer,
+            " -> ".join(pipeline.order),
+        )
         futures, metrics = {}, {}
-        for stage in stages:
-            futures[stage] = run_stage.submit(stage, str(ws), wait_for=[futures[u] for u in graph[stage]])
+        for stage in pipeline.order:
+            upstream = [futures[u] for u in pipeline.upstream[stage]]
+            futures[stage] = run_stage.submit(stage, str(ws), pipeline.metrics[stage], wait_for=upstream)
             metrics.update(futures[stage].result())  # one stage at a time: the stages share the machine
-        save_experiment(str(project), str(ws), name, stages)
+        save_experiment(str(project), str(ws), name, [m for stage in pipeline.order for m in pipeline.metrics[stage]])
     logger.info("saved DVC experiment %s: `dvc exp show` lists it, `dvc exp apply %s` checks it out", name, name)
     return {"experiment": name, "metrics": metrics}

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import signal
 import sys
 import traceback
 
-from rlhf.config import DEFAULT_PARAMS, ConfigError, load_config, save_config
+from rlhf.config import DEFAULT_PARAMS, ConfigError, config_yaml, load_config
+from rlhf.presets import PRESETS, describe
 
 PIPELINE = ("prepare", "gold", "sft", "reward", "train", "generate", "evaluate")
 HELP = {
@@ -31,20 +31,29 @@ HELP = {
 }
 
 
-def available_stages() -> list[str]:
-    """Stages whose module exists; a stage that isn't built yet is absent rather than pretending to work."""
-    return [s for s in PIPELINE if importlib.util.find_spec(f"rlhf.stages.{s}") is not None]
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="rlhf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--params", default=str(DEFAULT_PARAMS), help="params file (default: params.yaml)")
     parser.add_argument("--profile", default=None, help="profile in params.yaml (default: its `profile` key)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for stage in available_stages():
-        p = sub.add_parser(stage, help=HELP[stage])
+    for stage in PIPELINE:
         if stage == "train":
-            p.add_argument("--trainer", default=None, help="preset name (same as train.trainer=NAME)")
+            p = sub.add_parser(
+                stage,
+                help=HELP[stage],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog=f"trainers (preset, the original's class, algorithm on engine):\n{describe()}",
+            )
+            p.add_argument(
+                "--trainer",
+                choices=list(PRESETS),
+                metavar="NAME",
+                help="the trainer preset (same as train.trainer=NAME): " + ", ".join(PRESETS),
+            )
+        else:
+            p = sub.add_parser(stage, help=HELP[stage])
         p.add_argument("overrides", nargs="*", metavar="key=value", help="override a params.yaml key")
     p = sub.add_parser("config", help="print the resolved configuration as YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value")
@@ -70,9 +79,13 @@ def record_stage_cost(stage: str, profile: str) -> None:
     import psutil
 
     kib = 1024  # ru_maxrss is in KiB on Linux
-    row = {"stage": stage, "profile": profile, "seconds": time.time() - psutil.Process().create_time(),
-           "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib,
-           "peak_rss_child_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib}
+    row = {
+        "stage": stage,
+        "profile": profile,
+        "seconds": time.time() - psutil.Process().create_time(),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib,
+        "peak_rss_child_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib,
+    }
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
 
@@ -99,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             overrides.append(f"train.trainer={args.trainer}")
         cfg = load_config(args.params, args.profile, overrides)
         if args.command == "config":
-            save_config(cfg, "/dev/stdout")
+            print(config_yaml(cfg), end="")
             return 0
         importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
         record_stage_cost(args.command, cfg.profile)

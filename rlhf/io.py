@@ -6,8 +6,8 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 
 @contextlib.contextmanager
@@ -33,13 +33,18 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def write_json(path: Path | str, obj) -> None:
-    """Write JSON atomically (temp file + rename)."""
+def write_text(path: Path | str, text: str) -> None:
+    """Write a text file atomically (temp file + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def write_json(path: Path | str, obj) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: Path | str):
@@ -56,5 +61,7 @@ def package_file(package: str, relative: str, install_hint: str) -> Path:
         raise FileNotFoundError(f"the package `{package}` is not installed: {install_hint} (make run installs it)")
     path = Path(spec.submodule_search_locations[0]) / relative
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed `{package}` package: reinstall it with {install_hint}")
+        raise FileNotFoundError(
+            f"{path} is missing from the installed `{package}` package: reinstall it with {install_hint}"
+        )
     return path

@@ -8,8 +8,23 @@ from rlhf.io import read_json
 HEADLINES = {
     "gold": ["accuracy"],
     "reward": ["agreement_heldout", "n_pairs"],
-    "train": ["first/objective/scores", "final/objective/scores", "first/objective/gold", "final/objective/gold", "final/objective/kl"],
-    "eval": ["gold/win_rate_vs_sft", "gold/win_rate_vs_reference", "gold/sft_win_rate_vs_reference", "gold/policy", "gold/sft", "kl/policy_sft_mean", "proxy/policy", "proxy/sft"],
+    "train": [
+        "first/objective/scores",
+        "final/objective/scores",
+        "first/objective/gold",
+        "final/objective/gold",
+        "final/objective/kl",
+    ],
+    "eval": [
+        "gold/win_rate_vs_sft",
+        "gold/win_rate_vs_reference",
+        "gold/sft_win_rate_vs_reference",
+        "gold/policy",
+        "gold/sft",
+        "kl/policy_sft_mean",
+        "proxy/policy",
+        "proxy/sft",
+    ],
 }
 
 
@@ -21,7 +36,11 @@ def print_report(cfg: Config) -> int:
             rows.append((stage, "(not run)", ""))
             continue
         metrics = read_json(path)
-        rows += [(stage, key, f"{metrics[key]:.4g}" if isinstance(metrics[key], float) else str(metrics[key])) for key in keys if key in metrics]
+        rows += [
+            (stage, key, f"{metrics[key]:.4g}" if isinstance(metrics[key], float) else str(metrics[key]))
+            for key in keys
+            if key in metrics
+        ]
     width = max(len(r[1]) for r in rows)
     print(f"profile {cfg.profile}, trainer {cfg.train.trainer}")
     for stage, key, value in rows:

@@ -23,7 +23,6 @@ OFFLINE_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
-    "DS_ACCELERATOR": "cpu",
 }
 
 CACHE_ENV = {
@@ -58,8 +57,18 @@ def configure() -> None:
         os.environ.setdefault(key, str(CACHE / sub))
     import torch
 
+    if not torch.cuda.is_available():  # DeepSpeed finds CUDA by itself; on a CPU-only box it must be told
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # Two threads per worker are many times slower on the 2-core machines than one.
     torch.set_num_threads(int(os.environ.get("RLHF_TORCH_THREADS", "1")))
+
+
+def device():
+    """This process's device as accelerate decides it (cuda:<local rank> on a GPU machine, else the CPU): every
+    model of a stage and every tensor entering one lives there. The train stage takes it from its Accelerator."""
+    from accelerate import PartialState
+
+    return PartialState().device
 
 
 def crash_point(name: str, index: int) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import csv
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
-from rlhf.config import Config, save_config
+from rlhf.config import Config
 from rlhf.io import write_json
 
 STEP = "train/episode"
@@ -31,7 +30,9 @@ def wandb_mode(setting: str, env: Mapping[str, str]) -> str:
 class Tracker:
     """Log a row of scalars per step; `finish` writes the final metrics JSON. Main process only."""
 
-    def __init__(self, cfg: Config, stage: str, enabled: bool = True, rows: list[dict] | None = None, run_id: str | None = None):
+    def __init__(
+        self, cfg: Config, stage: str, enabled: bool = True, rows: list[dict] | None = None, run_id: str | None = None
+    ):
         """rows/run_id: a resumed run's history from its checkpoint; W&B continues the same run."""
         self.enabled = enabled
         self.plot_path = cfg.path("plots", f"{stage}.csv")
@@ -44,8 +45,15 @@ class Tracker:
             import wandb
 
             mode = wandb_mode(cfg.tracking.wandb_mode, os.environ)
-            self.run = wandb.init(project=cfg.tracking.wandb_project, job_type=stage, mode=mode, config=cfg.model_dump(mode="json"),
-                                  dir=os.environ.get("WANDB_DIR"), id=run_id, resume="allow" if run_id else None)
+            self.run = wandb.init(
+                project=cfg.tracking.wandb_project,
+                job_type=stage,
+                mode=mode,
+                config=cfg.model_dump(mode="json"),
+                dir=os.environ.get("WANDB_DIR"),
+                id=run_id,
+                resume="allow" if run_id else None,
+            )
             self.run.define_metric(STEP)
             self.run.define_metric("*", step_metric=STEP)
 
@@ -60,7 +68,15 @@ class Tracker:
         if self.run is not None:
             self.run.log(row)
 
-    def completions(self, episode: int, prompts: Sequence[str], completions: Sequence[str], rewards: Sequence[float], gold: Sequence[float] | None = None, max_rows: int = 16) -> None:
+    def completions(
+        self,
+        episode: int,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        rewards: Sequence[float],
+        gold: Sequence[float] | None = None,
+        max_rows: int = 16,
+    ) -> None:
         """Log a W&B table `completions` (prompt, completion, reward, gold) at `episode` on the RL axis.
 
         prompts: [N] (repeat each prompt for its k samples); completions/rewards/gold: [N] aligned with them.
@@ -71,10 +87,16 @@ class Tracker:
             return
         n = len(completions)
         if not (len(prompts) == n == len(rewards) and (gold is None or len(gold) == n)):
-            raise ValueError(f"completions table: prompts ({len(prompts)}), completions ({n}), rewards ({len(rewards)}) and gold ({'-' if gold is None else len(gold)}) must have one entry per completion")
+            raise ValueError(
+                f"completions table: prompts ({len(prompts)}), completions ({n}), rewards ({len(rewards)}) and gold "
+                f"({'-' if gold is None else len(gold)}) must have one entry per completion"
+            )
         import wandb
 
-        rows = [[prompts[i], completions[i], float(rewards[i]), None if gold is None else float(gold[i])] for i in range(min(n, max_rows))]
+        rows = [
+            [prompts[i], completions[i], float(rewards[i]), None if gold is None else float(gold[i])]
+            for i in range(min(n, max_rows))
+        ]
         self.run.log({"completions": wandb.Table(columns=COMPLETION_COLUMNS, data=rows), STEP: episode})
 
     def finish(self, final: dict) -> None:
@@ -92,7 +114,3 @@ class Tracker:
         if self.run is not None:
             self.run.summary.update(final)
             self.run.finish()
-
-
-def save_run_config(cfg: Config, folder: Path) -> None:
-    save_config(cfg, folder / "config.yaml")

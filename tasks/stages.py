@@ -13,9 +13,9 @@ import re
 import subprocess
 import sys
 from collections import deque
-from pathlib import Path, PurePosixPath
+from dataclasses import dataclass
+from pathlib import Path
 
-import yaml
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
@@ -35,56 +35,27 @@ class StageFailed(RuntimeError):
         self.stage, self.returncode, self.transient = stage, returncode, transient
 
 
-def _stages(dvc_yaml: Path) -> dict[str, dict]:
-    raw = yaml.safe_load(Path(dvc_yaml).read_text(encoding="utf-8")) or {}
-    stages = raw.get("stages")
-    if not isinstance(stages, dict) or not stages:
-        raise ValueError(f"{dvc_yaml}: no `stages:` mapping")
-    return stages
+@dataclass(frozen=True)
+class Pipeline:
+    """The dvc.yaml stage graph as DVC itself reads it (its own parser and graph, not a copy of its rules)."""
 
+    order: list[str]  # every stage once, each after the stages it depends on; ties keep dvc.yaml's order
+    upstream: dict[str, list[str]]  # stage -> the stages whose outputs it depends on
+    metrics: dict[str, list[str]]  # stage -> its metrics files, relative to the workspace
 
-def _paths(entries: list | None) -> list[PurePosixPath]:
-    """dvc.yaml lists paths as strings or as one-key mappings {path: options}."""
-    out = []
-    for entry in entries or []:
-        out.extend(PurePosixPath(p) for p in (entry if isinstance(entry, dict) else [entry]))
-    return out
+    @classmethod
+    def read(cls, workspace: Path) -> Pipeline:
+        import networkx as nx
+        from dvc.repo import Repo
 
-
-def _overlaps(a: PurePosixPath, b: PurePosixPath) -> bool:
-    return a == b or a in b.parents or b in a.parents
-
-
-def stage_graph(dvc_yaml: Path) -> dict[str, list[str]]:
-    """stage -> the stages it depends on (an upstream out is one of its deps, or contains/is inside one).
-
-    Keys keep dvc.yaml's order. Only deps/outs/metrics/plots are used, as DVC itself links stages.
-    """
-    stages = _stages(dvc_yaml)
-    produced = {name: _paths(s.get("outs")) + _paths(s.get("metrics")) + _paths(s.get("plots")) for name, s in stages.items()}
-    graph = {}
-    for name, spec in stages.items():
-        deps = _paths(spec.get("deps"))
-        graph[name] = [up for up in stages if up != name and any(_overlaps(d, o) for d in deps for o in produced[up])]
-    return graph
-
-
-def stage_order(graph: dict[str, list[str]]) -> list[str]:
-    """Topological order; among stages that are ready, dvc.yaml's order wins (stable, predictable)."""
-    done: list[str] = []
-    pending = list(graph)
-    while pending:
-        ready = [s for s in pending if all(u in done for u in graph[s])]
-        if not ready:
-            raise ValueError(f"dvc.yaml: dependency cycle among stages {', '.join(pending)}")
-        done.append(ready[0])
-        pending.remove(ready[0])
-    return done
-
-
-def metrics_files(dvc_yaml: Path, stage: str) -> list[str]:
-    """The stage's metrics files (relative to the workspace), as dvc.yaml declares them."""
-    return [str(p) for p in _paths(_stages(dvc_yaml)[stage].get("metrics"))]
+        with Repo(str(workspace)) as repo:
+            graph = repo.index.graph  # an edge runs from a stage to a stage it depends on
+            declared = [stage.name for stage in repo.index.stages]
+            ordered = nx.lexicographical_topological_sort(graph.reverse(), key=lambda s: declared.index(s.name))
+            order = [stage.name for stage in ordered]
+            upstream = {s.name: sorted((u.name for u in graph.successors(s)), key=order.index) for s in graph}
+            metrics = {s.name: [m.def_path for m in s.metrics] for s in graph}
+        return cls(order, upstream, metrics)
 
 
 def classify_failure(output: str, returncode: int) -> tuple[int | None, bool]:
@@ -134,8 +105,9 @@ def _stream(proc: subprocess.Popen, logger, keep: int = 40) -> str:
     retry_condition_fn=retry_if_transient,
     cache_policy=NONE,  # DVC decides what is up to date; Prefect must not skip a stage on its own
 )
-def run_stage(stage: str, workspace: str) -> dict:
-    """Run one dvc.yaml stage in `workspace` with `dvc repro --single-item`; return its metrics files' contents."""
+def run_stage(stage: str, workspace: str, metrics_files: list[str]) -> dict:
+    """Run one dvc.yaml stage in `workspace` with `dvc repro --single-item`; return its metrics files' contents
+    ({file: values}; `metrics_files` relative to the workspace, as Pipeline.metrics lists them)."""
     logger = get_run_logger()
     ws = Path(workspace)
     cmd = ["dvc", "repro", "--single-item", stage]
@@ -143,13 +115,15 @@ def run_stage(stage: str, workspace: str) -> dict:
     # `dvc` and the `rlhf` it runs come from this interpreter's environment, whatever PATH the worker had.
     path = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
     env = {**os.environ, "PATH": path, "TQDM_MININTERVAL": os.environ.get("TQDM_MININTERVAL", "10")}
-    proc = subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    proc = subprocess.Popen(
+        cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    )
     tail = _stream(proc, logger)
     if proc.wait() != 0:
         status, transient = classify_failure(tail, proc.returncode)
         raise StageFailed(stage, status if status is not None else proc.returncode, transient, tail)
     metrics = {}
-    for rel in metrics_files(ws / "dvc.yaml", stage):
+    for rel in metrics_files:
         path = ws / rel
         if path.exists():
             metrics[rel] = json.loads(path.read_text(encoding="utf-8"))

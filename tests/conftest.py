@@ -27,7 +27,7 @@ def ci_config(data_dir, *overrides):
 
 
 def run_cli(*args, params=PARAMS, timeout=120, env=None):
-    """`rlhf --params PARAMS ARGS...` in a fresh process, as a user runs it: exit status and stderr are the interface."""
+    """`rlhf --params PARAMS ARGS...` in a fresh process, as a user runs it (exit status and stderr are checked)."""
     cmd = [sys.executable, "-m", "rlhf.cli", "--params", str(params), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -48,8 +48,14 @@ def free_port() -> int:
 
 def isolated_env(home: Path) -> dict:
     """The suite's offline env with every cache of the run under `home` (never the project's .cache)."""
-    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_HOME": str(home / "prefect"),
-            "WANDB_DIR": str(home / "wandb"), "RLHF_WORKSPACES": str(home / "workspaces"), "DVC_NO_ANALYTICS": "1"}
+    return {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "PREFECT_HOME": str(home / "prefect"),
+        "WANDB_DIR": str(home / "wandb"),
+        "RLHF_WORKSPACES": str(home / "workspaces"),
+        "DVC_NO_ANALYTICS": "1",
+    }
 
 
 def run_ok(cmd: list[str], cwd: Path, env: dict, timeout: float = 60) -> str:
@@ -58,29 +64,61 @@ def run_ok(cmd: list[str], cwd: Path, env: dict, timeout: float = 60) -> str:
     return proc.stdout + proc.stderr
 
 
-def make_dvc_repo(path: Path) -> Path:
-    """A git+DVC copy of the project's pipeline: dvc.yaml, params.yaml and the `rlhf` code its stages depend on."""
+def make_dvc_repo(path: Path, cache: Path | None = None) -> Path:
+    """A git+DVC copy of the project's pipeline: dvc.yaml, params.yaml and the `rlhf` code its stages depend on.
+
+    cache: a DVC cache folder to use (the session's `dvc_cache`) instead of the repo's own."""
     path.mkdir(parents=True)
     for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(ROOT / name, path / name)
     # The stages' code is a DVC dep of theirs (the stages run the installed `rlhf`, this same code).
     shutil.copytree(ROOT / "rlhf", path / "rlhf", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    for cmd in (["git", "init", "-q", "-b", "main"], ["git", "config", "user.name", "rlhf test"], ["git", "config", "user.email", "test@localhost"],
-                ["dvc", "init", "-q"], ["dvc", "config", "core.analytics", "false"], ["git", "add", "-A"], ["git", "commit", "-qm", "pipeline"]):
+    for cmd in (
+        ["git", "init", "-q", "-b", "main"],
+        ["git", "config", "user.name", "rlhf test"],
+        ["git", "config", "user.email", "test@localhost"],
+        ["dvc", "init", "-q"],
+        ["dvc", "config", "core.analytics", "false"],
+        *([["dvc", "config", "--local", "cache.dir", str(cache)]] if cache else []),
+        ["git", "add", "-A"],
+        ["git", "commit", "-qm", "pipeline"],
+    ):
         run_ok(cmd, path, env)
     return path
 
 
+def session_dir(tmp_path_factory) -> Path:
+    """A folder of this test session that all its pytest-xdist workers share."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def dvc_cache(tmp_path_factory) -> Path:
+    """One DVC cache for the session's end-to-end pipeline runs (test_pipeline, the Prefect deployment run): a
+    stage one of them ran with the same code, params and inputs comes back from DVC's run-cache in the other, as it
+    would in a user's project. Tests that must see a stage really run (interrupts) keep their own cache."""
+    return session_dir(tmp_path_factory) / "dvc-cache"
+
+
 @pytest.fixture(scope="session")
 def ci_stages(tmp_path_factory):
-    """prepare -> gold -> sft -> reward on the `ci` profile, run once per test session (real data, real models)."""
+    """prepare -> gold -> sft -> reward on the `ci` profile (real data, real models), run once per test session:
+    the first pytest-xdist worker to get here builds it, the others wait on the lock and share it (read-only)."""
+    from filelock import FileLock
+
     from rlhf.stages import gold, prepare, reward, sft
 
-    data_dir = tmp_path_factory.mktemp("ci") / "data"
-    cfg = ci_config(data_dir)
-    for stage in (prepare, gold, sft, reward):
-        stage.run(cfg)
+    shared = session_dir(tmp_path_factory)
+    data_dir = shared / "ci_stages" / "data"
+    with FileLock(str(shared / "ci_stages.lock")):
+        if not (data_dir.parent / "complete").exists():
+            shutil.rmtree(data_dir, ignore_errors=True)
+            cfg = ci_config(data_dir)
+            for stage in (prepare, gold, sft, reward):
+                stage.run(cfg)
+            (data_dir.parent / "complete").touch()
     return data_dir
 
 

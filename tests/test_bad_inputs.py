@@ -24,13 +24,14 @@ import time
 import psutil
 import pytest
 import torch
+import wandb
 from accelerate import Accelerator
-
 from conftest import PARAMS, ROOT, ci_config, folder_digest, free_port, isolated_env, make_dvc_repo, run_cli, run_ok
+
 from rlhf.config import Config, TrackingConfig
 from rlhf.models import loading
-from rlhf.trainers.loop import train
 from rlhf.tracking import STEP, Tracker
+from rlhf.trainers.loop import train
 
 DOC = ROOT / "docs" / "reliability.md"
 
@@ -52,6 +53,7 @@ def _child(proc: subprocess.Popen, matches, timeout: float) -> psutil.Process:
 
 # --- the command line -----------------------------------------------------------------------------------
 
+
 def test_malformed_params_yaml_fails_the_cli_naming_the_file(tmp_path):
     bad = tmp_path / "params.yaml"
     bad.write_text("profile: ci\nprofiles: {ci: {train: [1, 2}\n")
@@ -63,7 +65,9 @@ def test_malformed_params_yaml_fails_the_cli_naming_the_file(tmp_path):
 
 def test_non_utf8_reviews_csv_fails_prepare_naming_the_file(tmp_path):
     latin = tmp_path / "reviews.csv"
-    latin.write_bytes(b"text,label,source\n" + ("un film tr\xe8s r\xe9ussi et " * 8 + ",1,imdb\n").encode("latin-1") * 40)
+    latin.write_bytes(
+        b"text,label,source\n" + ("un film tr\xe8s r\xe9ussi et " * 8 + ",1,imdb\n").encode("latin-1") * 40
+    )
     data = tmp_path / "data"
     proc = run_cli("--profile", "ci", "prepare", f"data_dir={data}", f"data.reviews_csv={latin}")
     assert proc.returncode == 1
@@ -72,8 +76,20 @@ def test_non_utf8_reviews_csv_fails_prepare_naming_the_file(tmp_path):
 
 
 def test_sigterm_stops_a_stage_like_ctrl_c(ci_data):
-    cmd = [sys.executable, "-m", "rlhf.cli", "--params", str(PARAMS), "--profile", "ci", "train", f"data_dir={ci_data}",
-           "tracking.wandb_mode=disabled", "train.total_episodes=800", "train.save_every=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf.cli",
+        "--params",
+        str(PARAMS),
+        "--profile",
+        "ci",
+        "train",
+        f"data_dir={ci_data}",
+        "tracking.wandb_mode=disabled",
+        "train.total_episodes=800",
+        "train.save_every=1",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (ci_data / "checkpoints").exists() and time.time() < deadline:  # training is under way
@@ -87,13 +103,16 @@ def test_sigterm_stops_a_stage_like_ctrl_c(ci_data):
 
 # --- the training loop ----------------------------------------------------------------------------------
 
+
 def test_prompts_longer_than_the_context_are_dropped_and_none_fitting_stops_the_run(ci_data):
     from rlhf.data.splits import load_split
-    from rlhf.trainers.loop import load_rl_prompts
+    from rlhf.trainers.setup import load_rl_prompts
 
     cfg = ci_config(ci_data)
     tokenizer = loading.load_tokenizer(ci_data / "sft")
-    lengths = sorted(len(ids) for ids in tokenizer(list(load_split(cfg.path("prepared"), "rl_prompts")["prompt"]))["input_ids"])
+    lengths = sorted(
+        len(ids) for ids in tokenizer(list(load_split(cfg.path("prepared"), "rl_prompts")["prompt"]))["input_ids"]
+    )
     assert lengths[0] < lengths[-1]  # 8-word openings tokenise to different lengths
     context, room = cfg.model.max_position_embeddings, lengths[len(lengths) // 2]
     kept = load_rl_prompts(ci_config(ci_data, f"train.response_length={context - room}"), tokenizer)
@@ -101,7 +120,10 @@ def test_prompts_longer_than_the_context_are_dropped_and_none_fitting_stops_the_
     assert len(kept) == sum(n <= room for n in lengths) < len(lengths)
     # no prompt leaves room for a response: the run stops before training anything
     too_long = ci_config(ci_data, f"train.response_length={context - lengths[0] + 1}")
-    with pytest.raises(ValueError, match=rf"rl_prompts: no prompt fits the context \({lengths[0] - 1} tokens left after train.response_length\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"rl_prompts: no prompt fits the context \({lengths[0] - 1} tokens left after train.response_length\)",
+    ):
         train(too_long)
     assert not (ci_data / "train").exists() and not (ci_data / "checkpoints").exists()
 
@@ -116,7 +138,9 @@ def stopped_run(ci_stages, tmp_path_factory):
     data = tmp_path_factory.mktemp("stopped") / "data"
     shutil.copytree(ci_stages, data)
     env = {**os.environ, "RLHF_CRASH_AT": "after_update:1"}  # SIGKILL, as an OOM kill would (rlhf.runtime)
-    proc = run_cli("--profile", "ci", "train", f"data_dir={data}", "tracking.wandb_mode=disabled", *STOPPED, env=env, timeout=300)
+    proc = run_cli(
+        "--profile", "ci", "train", f"data_dir={data}", "tracking.wandb_mode=disabled", *STOPPED, env=env, timeout=300
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     [ckpt_dir] = (data / "checkpoints").iterdir()
     assert [p.name for p in ckpt_dir.iterdir()] == ["batch-000001"]
@@ -151,7 +175,11 @@ def _assert_only_the_good_checkpoint(data, ckpt, digest) -> None:
 def test_reward_returning_nan_stops_training_and_keeps_the_last_checkpoint(stopped):
     data, ckpt, digest = stopped
     _fill_nan(data / "reward" / "model", loading.load_reward_model)
-    with pytest.raises(RuntimeError, match=rf"the reward \(proxy\) returned NaN/inf for 16 of 16 samples at batch 1 \(trainer ppo\); the last good checkpoint in {re.escape(str(ckpt.parent))} is intact"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"the reward \(proxy\) returned NaN/inf for 16 of 16 samples at batch 1 \(trainer ppo\); the last "
+        rf"good checkpoint in {re.escape(str(ckpt.parent))} is intact",
+    ):
         train(ci_config(data, *STOPPED))
     _assert_only_the_good_checkpoint(data, ckpt, digest)
 
@@ -162,7 +190,11 @@ def test_loss_going_nan_stops_training_and_keeps_the_last_checkpoint(stopped):
     # The resumed policy comes from the checkpoint (finite); the KL reference from data/sft, now NaN: every
     # PPO quantity built on the KL, and so the loss, is NaN, while generation and the reward stay finite.
     _fill_nan(data / "sft", loading.load_causal_lm)
-    with pytest.raises(RuntimeError, match=rf"loss became nan at batch 1 \(trainer ppo\); the last good checkpoint in {re.escape(str(ckpt.parent))} is intact"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"loss became nan at batch 1 \(trainer ppo\); the last good checkpoint in "
+        rf"{re.escape(str(ckpt.parent))} is intact",
+    ):
         train(ci_config(data, *STOPPED))
     _assert_only_the_good_checkpoint(data, ckpt, digest)
 
@@ -178,7 +210,11 @@ def test_disk_full_while_checkpointing_removes_the_partial_checkpoint(stopped, m
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), output_dir)
 
     monkeypatch.setattr(Accelerator, "save_state", save_state_then_disk_full)
-    with pytest.raises(OSError, match=r"checkpoint \S+/batch-000002 not written \(disk full\); its partial folder was removed, the checkpoints already in \S+ are intact") as err:
+    with pytest.raises(
+        OSError,
+        match=r"checkpoint \S+/batch-000002 not written \(disk full\); its partial folder was removed, the "
+        r"checkpoints already in \S+ are intact",
+    ) as err:
         train(ci_config(data, *STOPPED))
     assert err.value.errno == errno.ENOSPC
     _assert_only_the_good_checkpoint(data, ckpt, digest)  # no .tmp-batch-000002 left filling the disk
@@ -191,6 +227,7 @@ def test_disk_full_while_checkpointing_removes_the_partial_checkpoint(stopped, m
 
 
 # --- the pipeline and the orchestrator ------------------------------------------------------------------
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -207,8 +244,15 @@ def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
     lock, before = (repo / "dvc.lock").read_bytes(), folder_digest(repo / "data" / "prepared")
 
     params.write_text(params.read_text().replace("seed: 1234", "seed: 4321", 1))  # the stage must run again
-    proc = subprocess.Popen(["dvc", "repro", "--single-item", "prepare"], cwd=repo, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["dvc", "repro", "--single-item", "prepare"],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     stage = _child(proc, lambda cmd: cmd[-1:] == ["prepare"] and any(a.endswith("/rlhf") for a in cmd), timeout=60)
     with contextlib.suppress(psutil.NoSuchProcess):
         while sum(stage.cpu_times()[:2]) < 2.0:  # mid-stage: well past start-up
@@ -258,9 +302,21 @@ def test_prefect_server_gone_mid_run_fails_the_run_and_touches_nothing(prefect_s
     run_ok(["git", "commit", "-qam", "prepare only"], repo, prefect_server["env"])
     workspaces = tmp_path / "workspaces"
     # One client retry instead of Prefect's default 5 (which back off 2+4+8+16+32 s per call) keeps this short.
-    env = {**prefect_server["env"], "RLHF_PROJECT_DIR": str(repo), "RLHF_WORKSPACES": str(workspaces), "PREFECT_CLIENT_MAX_RETRIES": "1"}
-    flow = subprocess.Popen([sys.executable, "-c", "from flows.rlhf_flow import rlhf; rlhf(trainer='ppo', profile='ci')"], cwd=repo, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env = {
+        **prefect_server["env"],
+        "RLHF_PROJECT_DIR": str(repo),
+        "RLHF_WORKSPACES": str(workspaces),
+        "PREFECT_CLIENT_MAX_RETRIES": "1",
+    }
+    flow = subprocess.Popen(
+        [sys.executable, "-c", "from flows.rlhf_flow import rlhf; rlhf(trainer='ppo', profile='ci')"],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _child(flow, lambda cmd: "repro" in cmd, timeout=120)  # the `prepare` task is running
         os.killpg(prefect_server["server"].pid, signal.SIGKILL)  # the server dies (crash, OOM kill, reboot)
@@ -282,10 +338,16 @@ def test_prefect_server_gone_mid_run_fails_the_run_and_touches_nothing(prefect_s
 
 # --- security defaults ----------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_prefect_server_listens_on_loopback_only(prefect_server):
     root = psutil.Process(prefect_server["server"].pid)
-    listening = [c.laddr for p in (root, *root.children(recursive=True)) for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+    listening = [
+        c.laddr
+        for p in (root, *root.children(recursive=True))
+        for c in p.net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
     assert prefect_server["port"] in {a.port for a in listening}
     assert {a.ip for a in listening} == {"127.0.0.1"}
     assert "python -m flows.deployments --port" in (ROOT / "Makefile").read_text()  # `make serve` starts it so
@@ -293,20 +355,32 @@ def test_prefect_server_listens_on_loopback_only(prefect_server):
 
 def test_remote_code_is_never_run(tmp_path):
     pattern = re.compile(r"""trust_remote_code["']?\s*[=:]\s*(?!False\b)""")
-    offenders = [f"{p.relative_to(ROOT)}:{n}" for top in ("rlhf", "flows", "tasks", "bench") for p in (ROOT / top).rglob("*.py")
-                 for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for top in ("rlhf", "flows", "tasks", "bench")
+        for p in (ROOT / top).rglob("*.py")
+        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert offenders == []
     # a model folder that ships its own code (auto_map) is refused, and that code never runs
     folder, marker = tmp_path / "custom", tmp_path / "custom_code_ran"
     folder.mkdir()
     for name in ("configuration_custom.py", "modeling_custom.py"):
         (folder / name).write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
-    auto_map = {"AutoConfig": "configuration_custom.CustomConfig", "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
-    (folder / "config.json").write_text(json.dumps({"model_type": "custom", "architectures": ["CustomForCausalLM"], "auto_map": auto_map}))
+    auto_map = {
+        "AutoConfig": "configuration_custom.CustomConfig",
+        "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+    }
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "custom", "architectures": ["CustomForCausalLM"], "auto_map": auto_map})
+    )
     from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match=rf"{re.escape(str(folder))}: could not load AutoModelForCausalLM [\s\S]*trust_remote_code"):
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(folder))}: could not load AutoModelForCausalLM [\s\S]*trust_remote_code"
+    ):
         loading.load_causal_lm(folder)
     assert not marker.exists()
 
@@ -323,9 +397,13 @@ def test_pickle_weights_are_refused_unopened(tmp_path):
     from transformers import LlamaConfig
 
     folder, marker = tmp_path / "pickled", tmp_path / "unpickled"
-    LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1).save_pretrained(folder)
+    LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1
+    ).save_pretrained(folder)
     (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_RunsCodeWhenUnpickled(marker)))
-    with pytest.raises(FileNotFoundError, match=rf"{re.escape(str(folder / 'pytorch_model.bin'))}: pickle weights are not loaded"):
+    with pytest.raises(
+        FileNotFoundError, match=rf"{re.escape(str(folder / 'pytorch_model.bin'))}: pickle weights are not loaded"
+    ):
         loading.load_causal_lm(folder)
     with pytest.raises(FileNotFoundError, match="pickle weights are not loaded"):
         loading.load_reward_model(folder)
@@ -336,7 +414,11 @@ SECRET_NAME = re.compile(r"(^|_)(api_?key|token|secret|password|passwd|credentia
 
 
 def _secret_env(monkeypatch) -> dict[str, str]:
-    values = {"WANDB_API_KEY": secrets.token_hex(20), "HF_TOKEN": f"hf_{secrets.token_hex(16)}", "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20)}
+    values = {
+        "WANDB_API_KEY": secrets.token_hex(20),
+        "HF_TOKEN": f"hf_{secrets.token_hex(16)}",
+        "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20),
+    }
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     return values
@@ -346,12 +428,14 @@ def test_params_have_no_secret_fields_and_the_resolved_config_no_secret_values(m
     import yaml
 
     def names(node, prefix=""):
-        for key, value in (node.items() if isinstance(node, dict) else ()):
+        for key, value in node.items() if isinstance(node, dict) else ():
             yield f"{prefix}{key}"
             yield from names(value, f"{prefix}{key}.")
 
     fields = [f"{s}.{n}" for s, f in Config.model_fields.items() for n in getattr(f.annotation, "model_fields", {})]
-    offenders = [k for k in [*fields, *names(yaml.safe_load(PARAMS.read_text()))] if SECRET_NAME.search(k.rsplit(".", 1)[-1])]
+    offenders = [
+        k for k in [*fields, *names(yaml.safe_load(PARAMS.read_text()))] if SECRET_NAME.search(k.rsplit(".", 1)[-1])
+    ]
     assert fields and offenders == []
     values = _secret_env(monkeypatch)
     proc = run_cli("--profile", "ci", "config")  # what W&B gets as the run's config, and what `rlhf config` shows
@@ -366,20 +450,29 @@ def test_no_secret_from_the_environment_reaches_wandb_files(tmp_path, monkeypatc
     for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         (tmp_path / name).mkdir()
         monkeypatch.setenv(name, str(tmp_path / name))
-    tracker = Tracker(Config(profile="test", data_dir=str(tmp_path / "data"), tracking=TrackingConfig(wandb_mode="offline")), "train")
+    tracker = Tracker(
+        Config(profile="test", data_dir=str(tmp_path / "data"), tracking=TrackingConfig(wandb_mode="offline")), "train"
+    )
     print("a line for the console log W&B captures")
     tracker.log({STEP: 8, "objective/scores": 0.5})
     tracker.completions(8, ["a film"] * 2, ["that shines", "that bores"], [0.5, -0.25], [0.875, 0.125])
     tracker.finish({"final/objective/scores": 0.5})
+    wandb.teardown()  # stops W&B's service process, which writes the offline run file in the background
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     [record] = [p for p in files if p.suffix == ".wandb"]  # the offline run: config, history, console
     assert str(tmp_path / "data").encode() in record.read_bytes()  # the run's config is in it (data_dir)
     assert {"output.log", "debug.log", "debug-internal.log"} <= {p.name for p in files}
-    leaks = [f"{name} in {p.relative_to(tmp_path)}" for p in files for name, v in values.items() if v.encode() in p.read_bytes()]
+    leaks = [
+        f"{name} in {p.relative_to(tmp_path)}"
+        for p in files
+        for name, v in values.items()
+        if v.encode() in p.read_bytes()
+    ]
     assert leaks == []
 
 
 # --- the docs table -------------------------------------------------------------------------------------
+
 
 def _table(section: str) -> list[str]:
     """The body rows of the first markdown table under `## section` in docs/reliability.md."""
@@ -399,8 +492,13 @@ def test_docs_tables_match_the_tests_one_to_one():
             ids += found
     assert len(set(ids)) == len(ids), "two rows name the same test"
     files = sorted({i.split("::")[0] for i in ids})
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     collected = set(proc.stdout.splitlines())
     collected |= {c.split("[")[0] for c in collected}  # a row may name a parametrized test as a whole
     assert [i for i in ids if i not in collected] == [], proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,16 +1,26 @@
 """params.yaml + profiles + overrides: what loads, and the errors that name the key."""
 
-import pytest
+import inspect
+import re
 
-from conftest import PARAMS, run_cli
-from rlhf.config import ConfigError, load_config, profiles
+import pytest
+import yaml
+from conftest import PARAMS, ROOT, run_cli
+from pydantic import BaseModel
+
+from rlhf.config import Config, ConfigError, load_config, profiles
+from rlhf.presets import ENGINES, PRESETS
 
 
 @pytest.mark.parametrize("profile", ["tiny", "smollm2", "pythia-tldr", "ci"])
 def test_every_profile_loads_and_validates(profile):
     cfg = load_config(PARAMS, profile)
     assert cfg.profile == profile
-    assert cfg.train.total_episodes % (cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps * cfg.train.num_mini_batches) == 0
+    assert (
+        cfg.train.total_episodes
+        % (cfg.train.per_device_train_batch_size * cfg.train.gradient_accumulation_steps * cfg.train.num_mini_batches)
+        == 0
+    )
 
 
 def test_profiles_listed():
@@ -55,7 +65,9 @@ def test_bad_values_fail_at_load_time_naming_the_key(override, message):
 
 
 def test_unknown_profile_lists_the_valid_ones():
-    with pytest.raises(ConfigError, match="unknown profile 'nope'; valid profiles in .*: ci, pythia-tldr, smollm2, tiny"):
+    with pytest.raises(
+        ConfigError, match="unknown profile 'nope'; valid profiles in .*: ci, pythia-tldr, smollm2, tiny"
+    ):
         load_config(PARAMS, "nope")
 
 
@@ -90,7 +102,11 @@ def test_cli_bad_input_exits_non_zero_with_the_key_in_the_message():
     assert proc.returncode == 1 and "train.lr: unknown key" in proc.stderr
     proc = run_cli("--profile", "nope", "config")
     assert proc.returncode == 1 and "valid profiles" in proc.stderr
-    proc = run_cli("train", "--trainer", "nope")
+    proc = run_cli("train", "--trainer", "nope")  # argparse: exit 2, the presets listed
+    assert (
+        proc.returncode == 2 and "--trainer: invalid choice: 'nope'" in proc.stderr and "online_dpo_vllm" in proc.stderr
+    )
+    proc = run_cli("train", "train.trainer=nope")
     assert proc.returncode == 1 and "train.trainer" in proc.stderr
 
 
@@ -105,3 +121,84 @@ def test_cli_missing_inputs_name_the_file_and_the_fix(tmp_path):
     proc = run_cli("--profile", "ci", "prepare", f"data_dir={tmp_path}", "data.reviews_csv=/nonexistent/reviews.csv")
     assert proc.returncode == 1 and "/nonexistent/reviews.csv" in proc.stderr
     assert not (tmp_path / "prepared").exists()  # nothing half-written
+
+
+# --- one source per fact -----------------------------------------------------------------------------------
+
+
+def _fields(model=Config, prefix=""):
+    """(dotted name, pydantic field) of every leaf setting."""
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _fields(field.annotation, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", field
+
+
+def test_every_setting_is_described_next_to_its_field():
+    undescribed = [name for name, field in _fields() if not (field.description or "").strip()]
+    assert undescribed == []
+
+
+def test_every_setting_is_read_by_some_code():
+    """A field no code reads is a knob that does nothing: `.name` must appear outside the schema's validators."""
+    code = "\n".join(p.read_text() for p in (ROOT / "rlhf").rglob("*.py") if p.name != "config.py")
+    code += inspect.getsource(Config.path)  # data_dir's one reader
+    unread = [name for name, _ in _fields() if not re.search(rf"\.{name.rsplit('.', 1)[-1]}\b", code)]
+    assert unread == []
+
+
+@pytest.mark.parametrize("profile", ["tiny", "smollm2", "pythia-tldr", "ci"])
+def test_profiles_list_only_what_differs_from_the_defaults(profile):
+    raw = yaml.safe_load(PARAMS.read_text())["profiles"][profile]
+    fields = dict(_fields())
+    per_trainer = raw.pop("trainers", {})
+    restated = [f"{s}.{k}" for s, values in raw.items() for k, v in values.items() if fields[f"{s}.{k}"].default == v]
+    assert restated == []
+    for trainer, sections in per_trainer.items():  # a trainer's own settings differ from the profile's
+        resolved = load_config(PARAMS, profile, [f"train.trainer={trainer}"]).model_dump()
+        plain = load_config(PARAMS, profile).model_dump()
+        assert all(resolved[s][k] != plain[s][k] for s, values in sections.items() for k in values), trainer
+
+
+def test_a_profile_can_set_values_for_one_trainer():
+    """pythia-tldr: PPO takes one sample per prompt as in the paper; the others keep k = 2; the user still wins."""
+    assert load_config(PARAMS, "pythia-tldr", ["train.trainer=ppo"]).train.k == 1
+    assert load_config(PARAMS, "pythia-tldr", ["train.trainer=rloo"]).train.k == 2
+    assert load_config(PARAMS, "pythia-tldr", ["train.trainer=ppo", "train.k=4"]).train.k == 4
+
+
+def test_trainer_names_come_from_the_presets():
+    from rlhf.trainers.objectives import OBJECTIVES
+
+    assert {p.algorithm for p in PRESETS.values()} == set(OBJECTIVES)
+    assert {p.engine for p in PRESETS.values()} <= set(ENGINES)
+    for name in PRESETS:
+        assert load_config(PARAMS, "ci", [f"train.trainer={name}"]).train.trainer == name
+    raw = yaml.safe_load(PARAMS.read_text())
+    assert raw["train"]["trainer"] in PRESETS
+    proc = run_cli("train", "--help")
+    assert proc.returncode == 0
+    for name, preset in PRESETS.items():  # each preset with the original system's class name
+        assert re.search(rf"^\s+{name}\s+{preset.public_name}\s", proc.stdout, re.M), name
+
+
+@pytest.mark.parametrize(
+    "trainer, processes, accumulation, batch",
+    [
+        ("online_dpo", 4, 16, 512),
+        ("online_dpo", 8, 8, 512),
+        ("online_dpo_vllm", 3, 21, 504),
+        ("online_dpo_vllm", 7, 9, 504),
+    ],
+)
+def test_the_paper_layouts_in_docs_gpu_divide(trainer, processes, accumulation, batch):
+    """docs/gpu.md's launch lines for pythia-tldr: 4 / 8 training GPUs (sync) and 3 + 1 / 7 + 1 (async)."""
+    from rlhf.trainers.setup import Sizes
+
+    overrides = [f"train.trainer={trainer}", f"train.gradient_accumulation_steps={accumulation}"]
+    sizes = Sizes.derive(load_config(PARAMS, "pythia-tldr", overrides).train, processes)
+    assert sizes.batch == batch and sizes.num_batches * batch == 129024
+    docs = (ROOT / "docs" / "gpu.md").read_text()
+    line = f"--num_processes {processes} $P train --trainer {trainer}"
+    assert line in docs and (accumulation == 16 or f"gradient_accumulation_steps={accumulation}" in docs)

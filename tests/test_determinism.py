@@ -7,16 +7,18 @@ here is deterministic, and the vLLM engines seed each request from (seed, batch 
 import shutil
 
 import pytest
-
 from conftest import ci_config
-from rlhf.trainers.loop import train
-from rlhf.trainers.presets import PRESETS
 from test_resume import results
+
+from rlhf.presets import PRESETS
+from rlhf.trainers.loop import train
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("trainer", sorted(PRESETS))
+# online_dpo_vllm: tests/test_async_training.py runs it twice (scored in the engine, then in the learner) and
+# checks the same identity.
+@pytest.mark.parametrize("trainer", sorted(set(PRESETS) - {"online_dpo_vllm"}))
 def test_a_trainer_run_twice_gives_identical_results(ci_data, tmp_path, trainer):
     again = tmp_path / "again"
     shutil.copytree(ci_data, again)

@@ -58,7 +58,9 @@ def test_repetition_factor_arithmetic():
     # "the film the film the film": words 2/6, bigrams {the film, film the} 2/5 -> 1/3
     assert distinct_ratio("The film, the film... the FILM!") == pytest.approx(1 / 3)
     # factor = min(1, ratio / floor)^2: (0.2 / 0.6)^2 = 1/9; a fluent sentence keeps 1; no words -> 0
-    np.testing.assert_allclose(repetition_factor(["great great great great great", POSITIVE, "", "!!"], 0.6), [1 / 9, 1.0, 0.0, 0.0])
+    np.testing.assert_allclose(
+        repetition_factor(["great great great great great", POSITIVE, "", "!!"], 0.6), [1 / 9, 1.0, 0.0, 0.0]
+    )
 
 
 def test_save_load_round_trip_without_pickle(judge, labelled, tmp_path):
@@ -94,7 +96,14 @@ def test_fit_rejects_a_single_class():
 
 
 def test_gold_stage_on_prepared_fixture(tmp_path):
-    data = DataConfig(reviews_csv=str(FIXTURES / "reviews_sample.csv"), n_sft=4, n_reward_prompts=4, n_rl_prompts=4, n_eval_prompts=4, gold_test_fraction=0.2)
+    data = DataConfig(
+        reviews_csv=str(FIXTURES / "reviews_sample.csv"),
+        n_sft=4,
+        n_reward_prompts=4,
+        n_rl_prompts=4,
+        n_eval_prompts=4,
+        gold_test_fraction=0.2,
+    )
     cfg = Config(profile="test", data_dir=str(tmp_path), data=data, gold=GoldConfig(min_df=1))
     prepare.run(cfg)
     metrics = gold_stage.run(cfg)

@@ -9,13 +9,16 @@ import torch
 
 from rlhf.config import ModelConfig
 from rlhf.models import loading, tiny
+from rlhf.models.forward import scalar_head
 
 TEXTS = [
     "The movie was great, and the acting was great!",
     "I didn't like the movie. The plot was bad.",
     "Great acting; bad plot. It's a movie.",
 ]
-SMALL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48, max_position_embeddings=32)
+SMALL = ModelConfig(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48, max_position_embeddings=32
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,7 @@ def tiny_folder(tmp_path_factory, tok):
 
 
 # --- tokenizer -------------------------------------------------------------------------------------------
+
 
 def test_word_tokenizer_vocab_specials_and_round_trip(tmp_path, tok):
     # distinct lower-cased words/punctuation in TEXTS: the movie was great , and acting ! i didn't like . plot
@@ -54,6 +58,7 @@ def test_word_tokenizer_vocab_specials_and_round_trip(tmp_path, tok):
 
 
 # --- tiny model, save/load -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt_neox"])
 def test_tiny_model_save_reload_identical_logits(tmp_path, tok, architecture):
@@ -82,7 +87,9 @@ def test_save_pretrained_replaces_old_folder_atomically(tmp_path, tok):
     (folder / "stale.txt").write_text("old")
     loading.save_pretrained(tiny.build_tiny_model(SMALL, tok, seed=0), tok, folder)
     assert not (folder / "stale.txt").exists()
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        p.name for p in folder.iterdir()
+    }
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left behind
 
 
@@ -114,6 +121,7 @@ def test_load_policy_local_and_tiny(tiny_folder):
 
 # --- reward / value heads --------------------------------------------------------------------------------
 
+
 def test_reward_model_from_causal_scalar_per_sequence(tmp_path, tiny_folder):
     causal = loading.load_causal_lm(tiny_folder)
     rm = loading.reward_model_from_causal(tiny_folder, seed=0)
@@ -123,13 +131,15 @@ def test_reward_model_from_causal_scalar_per_sequence(tmp_path, tiny_folder):
     ids = torch.tensor([[0, 0, 4, 5, 6], [4, 5, 6, 7, 8]])
     mask = (ids != 0).long()
     scores = rm(input_ids=ids, attention_mask=mask).logits[:, 0]
-    values = loading.token_values(rm, ids, mask)
+    values = scalar_head(rm, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
     assert scores.shape == (2,) and values.shape == (2, 5)
     torch.testing.assert_close(scores, values[:, -1])
     # padding changes nothing: row 0 alone, unpadded, scores the same
     torch.testing.assert_close(rm(input_ids=ids[:1, 2:]).logits[0, 0], scores[0], rtol=1e-5, atol=1e-6)
     # the seed fixes the new head; a different seed changes it
-    torch.testing.assert_close(loading.reward_model_from_causal(tiny_folder, seed=0).score.weight, rm.score.weight, rtol=0, atol=0)
+    torch.testing.assert_close(
+        loading.reward_model_from_causal(tiny_folder, seed=0).score.weight, rm.score.weight, rtol=0, atol=0
+    )
     assert not torch.equal(loading.reward_model_from_causal(tiny_folder, seed=1).score.weight, rm.score.weight)
 
     loading.save_pretrained(rm, loading.load_tokenizer(tiny_folder), tmp_path / "rm")
@@ -139,6 +149,7 @@ def test_reward_model_from_causal_scalar_per_sequence(tmp_path, tiny_folder):
 
 # --- packaged SmolLM2 ------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_smollm2_generates_and_round_trips(tmp_path):
     model, tok = loading.load_smollm2()
@@ -146,7 +157,7 @@ def test_smollm2_generates_and_round_trips(tmp_path):
     assert 134e6 < tiny.count_parameters(model) < 135e6  # 134.5M per platform.md
     enc = tok(["The movie was"], return_tensors="pt")
     out = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-    text = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert text.strip()
     # save + reload (538 MB): same logits on the prompt
     loading.save_pretrained(model, tok, tmp_path / "smol")

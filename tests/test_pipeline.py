@@ -8,14 +8,22 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
 EVAL_KEYS = {
-    "gold/win_rate_vs_sft", "gold/win_rate_vs_reference", "gold/sft_win_rate_vs_reference", "gold/policy", "gold/sft",
-    "gold/reference", "kl/policy_sft_mean", "kl/policy_sft_std", "proxy/policy", "proxy/sft", "n_prompts",
+    "gold/win_rate_vs_sft",
+    "gold/win_rate_vs_reference",
+    "gold/sft_win_rate_vs_reference",
+    "gold/policy",
+    "gold/sft",
+    "gold/reference",
+    "kl/policy_sft_mean",
+    "kl/policy_sft_std",
+    "proxy/policy",
+    "proxy/sft",
+    "n_prompts",
 }
 
 
@@ -23,12 +31,14 @@ def sh(*cmd, cwd, check=True):
     env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
     if check and proc.returncode:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory):
+def repo(tmp_path_factory, dvc_cache):
     repo = tmp_path_factory.mktemp("pipeline")
     for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(ROOT / name, repo / name)
@@ -40,6 +50,7 @@ def repo(tmp_path_factory):
     sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "empty", cwd=repo)
     sh("dvc", "init", "-q", cwd=repo)
     sh("dvc", "config", "core.analytics", "false", cwd=repo)
+    sh("dvc", "config", "--local", "cache.dir", str(dvc_cache), cwd=repo)
     sh("dvc", "repro", cwd=repo)
     sh("git", "add", "-A", cwd=repo)
     sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "ci pipeline", cwd=repo)

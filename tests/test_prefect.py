@@ -16,67 +16,90 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
+from conftest import BIN, ROOT, free_port, isolated_env, make_dvc_repo, run_ok
 
-from conftest import ROOT, free_port, isolated_env, make_dvc_repo, run_ok
 from rlhf.config import Config, ConfigError, TrackingConfig, load_config
 from rlhf.tracking import STEP, Tracker, wandb_mode
 
-DEPLOYMENTS = {"ppo": "ppo", "rloo": "rloo", "online-dpo": "online_dpo", "online-dpo-vllm": "online_dpo_vllm",
-               "online-dpo-single-vllm": "online_dpo_single_vllm", "bok": "bok", "grpo": "grpo"}
+DEPLOYMENTS = {
+    "ppo": "ppo",
+    "rloo": "rloo",
+    "online-dpo": "online_dpo",
+    "online-dpo-vllm": "online_dpo_vllm",
+    "online-dpo-single-vllm": "online_dpo_single_vllm",
+    "bok": "bok",
+    "grpo": "grpo",
+}
 
 
 # --- the stage graph ------------------------------------------------------------------------------------
 
-def test_stage_order_follows_deps_not_file_order(tmp_path):
-    from tasks.stages import stage_graph, stage_order
 
-    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
+def dvc_project(path: Path, stages: dict) -> Path:
+    """A DVC project (no git) whose dvc.yaml holds `stages`."""
+    (path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    run_ok([str(BIN / "dvc"), "init", "--no-scm", "-q"], path, {**os.environ, "DVC_NO_ANALYTICS": "1"})
+    return path
+
+
+def test_stage_order_follows_deps_not_file_order(tmp_path):
+    from tasks.stages import Pipeline
+
+    stages = {
         "report": {"cmd": "x", "deps": ["out/b", "out/c"]},
         "b": {"cmd": "x", "deps": ["out/a", "src.py"], "outs": ["out/b"]},
         "c": {"cmd": "x", "deps": ["out/a/part.txt"], "outs": ["out/c"], "metrics": [{"m/c.json": {"cache": False}}]},
         "a": {"cmd": "x", "outs": ["out/a"]},
-    }}, sort_keys=False))
-    graph = stage_graph(tmp_path / "dvc.yaml")
+    }
+    pipeline = Pipeline.read(dvc_project(tmp_path, stages))
     # c depends on a through a file inside a's output folder; src.py belongs to no stage.
-    assert graph == {"report": ["b", "c"], "b": ["a"], "c": ["a"], "a": []}
+    assert pipeline.upstream == {"report": ["b", "c"], "b": ["a"], "c": ["a"], "a": []}
     # a is the only stage ready; then b and c are both ready and keep file order; report needs both.
-    assert stage_order(graph) == ["a", "b", "c", "report"]
+    assert pipeline.order == ["a", "b", "c", "report"]
+    assert pipeline.metrics == {"report": [], "b": [], "c": ["m/c.json"], "a": []}
 
 
-def test_stage_cycle_is_an_error():
-    from tasks.stages import stage_order
+def test_stage_cycle_is_an_error(tmp_path):
+    from tasks.stages import Pipeline
 
-    with pytest.raises(ValueError, match="cycle"):
-        stage_order({"x": ["y"], "y": ["x"], "z": []})
+    stages = {"x": {"cmd": "x", "deps": ["y"], "outs": ["x"]}, "y": {"cmd": "x", "deps": ["x"], "outs": ["y"]}}
+    with pytest.raises(Exception, match="[Cc]ycl"):
+        Pipeline.read(dvc_project(tmp_path, stages))
 
 
 def test_real_pipeline_order_comes_from_dvc_yaml():
-    from tasks.stages import stage_graph, stage_order
+    from tasks.stages import Pipeline
 
     declared = list(yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"])
-    graph = stage_graph(ROOT / "dvc.yaml")
-    order = stage_order(graph)
+    pipeline = Pipeline.read(ROOT)
+    order = pipeline.order
     assert sorted(order) == sorted(declared)
-    for stage, upstream in graph.items():
+    for stage, upstream in pipeline.upstream.items():
         assert all(order.index(u) < order.index(stage) for u in upstream), (stage, upstream)
     assert order[0] == "prepare" and order[-1] == "evaluate"
-    assert set(graph["train"]) == {"prepare", "sft", "reward", "gold"}
+    assert set(pipeline.upstream["train"]) == {"prepare", "sft", "reward", "gold"}
+    assert pipeline.metrics["train"] == ["data/metrics/train.json"]
 
 
 # --- failures: which ones are retried --------------------------------------------------------------------
 
-@pytest.mark.parametrize(("output", "rc", "expected"), [
-    ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with 1", 255, (1, False)),
-    ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with 2", 255, (2, False)),
-    ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with -9", 255, (-9, True)),
-    ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with 137", 255, (137, True)),
-    ("ERROR: Unable to acquire lock. Most likely another DVC process is running", 255, (None, True)),
-    ("ERROR: 'dvc.yaml' is invalid", 255, (None, False)),
-    ("", -15, (None, True)),
-])
+
+@pytest.mark.parametrize(
+    ("output", "rc", "expected"),
+    [
+        ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with 1", 255, (1, False)),
+        ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with 2", 255, (2, False)),
+        ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with -9", 255, (-9, True)),
+        ("ERROR: failed to reproduce 'train': failed to run: rlhf train, exited with 137", 255, (137, True)),
+        ("ERROR: Unable to acquire lock. Most likely another DVC process is running", 255, (None, True)),
+        ("ERROR: 'dvc.yaml' is invalid", 255, (None, False)),
+        ("", -15, (None, True)),
+    ],
+)
 def test_classify_failure(output, rc, expected):
     from tasks.stages import classify_failure
 
@@ -96,12 +119,15 @@ def test_retry_condition_uses_transience():
 
 # --- the run's parameters --------------------------------------------------------------------------------
 
+
 def test_set_params_writes_overrides_and_keeps_comments(tmp_path):
-    from flows.rlhf_flow import set_params
+    from flows.workspace import set_params
 
     params = tmp_path / "params.yaml"
     shutil.copy(ROOT / "params.yaml", params)
-    set_params(params, "ci", "ppo", ["train.k=4", "train.learning_rate=1e-4", "eval.batch_size=8"])
+    set_params(
+        params, ["profile=ci", "train.trainer=ppo", "train.k=4", "train.learning_rate=1e-4", "eval.batch_size=8"]
+    )
     text = params.read_text()
     assert "# Experiment overrides on top of the profile" in text  # DVC's -S round trip keeps comments
     raw = yaml.safe_load(text)
@@ -114,13 +140,13 @@ def test_set_params_writes_overrides_and_keeps_comments(tmp_path):
 
 
 def test_bad_parameters_fail_as_config_errors(tmp_path):
-    from flows.rlhf_flow import set_params
+    from flows.workspace import set_params
 
     params = tmp_path / "params.yaml"
     shutil.copy(ROOT / "params.yaml", params)
     with pytest.raises(ConfigError, match="section.key=value"):
-        set_params(params, None, "ppo", ["train.k"])
-    set_params(params, None, "ppo", ["train.learning_rate=-1"])
+        set_params(params, ["train.k"])
+    set_params(params, ["train.learning_rate=-1"])
     with pytest.raises(ConfigError, match="train.learning_rate"):
         load_config(params)
 
@@ -146,9 +172,13 @@ def test_one_deployment_per_trainer_with_a_paused_schedule():
 
 # --- no Prefect below the flow ---------------------------------------------------------------------------
 
+
 def test_rlhf_package_never_imports_prefect():
-    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "rlhf").rglob("*.py")
-                 if re.search(r"^\s*(import|from)\s+(prefect|flows|tasks)\b", p.read_text(), re.M)]
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "rlhf").rglob("*.py")
+        if re.search(r"^\s*(import|from)\s+(prefect|flows|tasks)\b", p.read_text(), re.M)
+    ]
     assert offenders == []
     # Import the CLI and every stage module with prefect made unimportable, then resolve a config with a
     # Prefect API URL that nothing answers: no hidden dependency on a server.
@@ -163,10 +193,12 @@ import rlhf.cli, rlhf.stages
 for m in pkgutil.iter_modules(rlhf.stages.__path__):
     importlib.import_module('rlhf.stages.' + m.name)
 assert rlhf.cli.main(['--params', sys.argv[1], '--profile', 'ci', 'config']) == 0
-print('NO-PREFECT-OK', len(rlhf.cli.available_stages()))
+print('NO-PREFECT-OK', len(rlhf.cli.PIPELINE))
 """
     env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
-    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "params.yaml")], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "params.yaml")], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NO-PREFECT-OK 7" in proc.stdout
 
@@ -178,7 +210,11 @@ def test_dvc_repro_runs_a_stage_without_prefect(tmp_path):
     stub = tmp_path / "stub" / "prefect"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text("raise ImportError('a stage imported prefect')\n")
-    env = {**isolated_env(tmp_path), "PYTHONPATH": str(stub.parent), "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
+    env = {
+        **isolated_env(tmp_path),
+        "PYTHONPATH": str(stub.parent),
+        "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api",
+    }
     run_ok(["sed", "-i", "s/^profile: .*/profile: ci/", "params.yaml"], repo, env)
     out = run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
     assert "Running stage 'prepare'" in out
@@ -187,15 +223,19 @@ def test_dvc_repro_runs_a_stage_without_prefect(tmp_path):
 
 # --- W&B -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("setting", "env", "expected"), [
-    ("offline", {"WANDB_MODE": "offline"}, "offline"),
-    ("offline", {}, "offline"),
-    ("offline", {"WANDB_API_KEY": "k"}, "online"),  # a key switches the default online
-    ("offline", {"WANDB_MODE": "offline", "WANDB_API_KEY": "k"}, "offline"),  # ... unless asked to stay offline
-    ("offline", {"WANDB_MODE": "disabled", "WANDB_API_KEY": "k"}, "disabled"),
-    ("online", {"WANDB_MODE": "offline"}, "online"),
-    ("disabled", {"WANDB_API_KEY": "k"}, "disabled"),
-])
+
+@pytest.mark.parametrize(
+    ("setting", "env", "expected"),
+    [
+        ("offline", {"WANDB_MODE": "offline"}, "offline"),
+        ("offline", {}, "offline"),
+        ("offline", {"WANDB_API_KEY": "k"}, "online"),  # a key switches the default online
+        ("offline", {"WANDB_MODE": "offline", "WANDB_API_KEY": "k"}, "offline"),  # ... unless asked to stay offline
+        ("offline", {"WANDB_MODE": "disabled", "WANDB_API_KEY": "k"}, "disabled"),
+        ("online", {"WANDB_MODE": "offline"}, "online"),
+        ("disabled", {"WANDB_API_KEY": "k"}, "disabled"),
+    ],
+)
 def test_wandb_mode(setting, env, expected):
     assert wandb_mode(setting, env) == expected
 
@@ -206,9 +246,18 @@ def test_completions_table_lands_in_the_offline_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     (tmp_path / "wandb").mkdir()
-    tracker = Tracker(Config(profile="test", data_dir=str(tmp_path / "data"), tracking=TrackingConfig(wandb_mode="offline")), "train")
+    tracker = Tracker(
+        Config(profile="test", data_dir=str(tmp_path / "data"), tracking=TrackingConfig(wandb_mode="offline")), "train"
+    )
     tracker.log({STEP: 8, "objective/scores": 0.5})
-    tracker.completions(8, ["a film", "a film", "the plot"], ["that shines", "that bores", "drags"], [0.5, -0.25, 1.0], [0.875, 0.125, 0.5], max_rows=2)
+    tracker.completions(
+        8,
+        ["a film", "a film", "the plot"],
+        ["that shines", "that bores", "drags"],
+        [0.5, -0.25, 1.0],
+        [0.875, 0.125, 0.5],
+        max_rows=2,
+    )
     with pytest.raises(ValueError, match="one entry per completion"):
         tracker.completions(8, ["a film"], ["x", "y"], [0.0, 1.0])
     tracker.finish({"final/objective/scores": 0.5})
@@ -216,13 +265,22 @@ def test_completions_table_lands_in_the_offline_run(tmp_path, monkeypatch):
     assert len(tables) == 1
     table = json.loads(tables[0].read_text())
     assert table["columns"] == ["prompt", "completion", "reward", "gold"]
-    assert table["data"] == [["a film", "that shines", 0.5, 0.875], ["a film", "that bores", -0.25, 0.125]]  # max_rows=2
+    assert table["data"] == [
+        ["a film", "that shines", 0.5, 0.875],
+        ["a film", "that bores", -0.25, 0.125],
+    ]  # max_rows=2
 
 
 # --- a real server, the deployments, a run ---------------------------------------------------------------
 
+
 def _api(api_url: str, route: str, body: dict | None = None):
-    req = urllib.request.Request(f"{api_url}{route}", data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        f"{api_url}{route}",
+        data=json.dumps(body or {}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
 
@@ -241,8 +299,8 @@ def home(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def repo(home):
-    return make_dvc_repo(home / "project")
+def repo(home, dvc_cache):
+    return make_dvc_repo(home / "project", dvc_cache)
 
 
 @pytest.fixture(scope="module")
@@ -251,8 +309,14 @@ def served(home, repo):
     port = free_port()
     env = {**isolated_env(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
     log = (home / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.deployments", "--port", str(port)], cwd=repo, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.deployments", "--port", str(port)],
+        cwd=repo,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     api_url = env["PREFECT_API_URL"]
     info = {"api_url": api_url, "port": port, "env": env, "proc": proc, "log": home / "serve.log"}
     try:
@@ -297,10 +361,32 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     params = (repo / "params.yaml").read_text().replace("seed: 1234", "seed: 4321")
     (repo / "params.yaml").write_text(params)
     t0 = time.monotonic()
-    cli = subprocess.run(["prefect", "deployment", "run", "rlhf/ppo", "--param", "profile=ci", "--watch", "--watch-interval", "1", "--watch-timeout", "240"],
-                         cwd=repo, env=env, capture_output=True, text=True, timeout=270)
+    cli = subprocess.run(
+        [
+            "prefect",
+            "deployment",
+            "run",
+            "rlhf/ppo",
+            "--param",
+            "profile=ci",
+            "--watch",
+            "--watch-interval",
+            "1",
+            "--watch-timeout",
+            "240",
+        ],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=270,
+    )
     print(f"rlhf/ppo on ci: {time.monotonic() - t0:.1f} s")
-    runs = [r for r in _api(served["api_url"], "/flow_runs/filter") if r["parameters"] == {"trainer": "ppo", "profile": "ci"}]
+    runs = [
+        r
+        for r in _api(served["api_url"], "/flow_runs/filter")
+        if r["parameters"] == {"trainer": "ppo", "profile": "ci"}
+    ]
     assert len(runs) == 1
     run = runs[0]
     if cli.returncode != 0 or run["state_type"] != "COMPLETED":
@@ -339,12 +425,34 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bad_config_fails_at_once_without_retries(served, repo):
-    proc = subprocess.run(["prefect", "deployment", "run", "rlhf/rloo", "--param", "profile=ci", "--param", 'overrides=["train.learning_rate=-1"]',
-                           "--watch", "--watch-interval", "1", "--watch-timeout", "90"], cwd=repo, env=served["env"], capture_output=True, text=True, timeout=110)
+    proc = subprocess.run(
+        [
+            "prefect",
+            "deployment",
+            "run",
+            "rlhf/rloo",
+            "--param",
+            "profile=ci",
+            "--param",
+            'overrides=["train.learning_rate=-1"]',
+            "--watch",
+            "--watch-interval",
+            "1",
+            "--watch-timeout",
+            "90",
+        ],
+        cwd=repo,
+        env=served["env"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert proc.returncode != 0
     run = next(r for r in _api(served["api_url"], "/flow_runs/filter") if r["parameters"].get("trainer") == "rloo")
     assert run["state_type"] == "FAILED" and run["run_count"] == 1
-    assert _api(served["api_url"], "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}}) == []  # no stage ran
+    assert (
+        _api(served["api_url"], "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}}) == []
+    )  # no stage ran
     logs = _api(served["api_url"], "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}})
     assert any("train.learning_rate" in entry["message"] for entry in logs)
 
@@ -355,13 +463,27 @@ def test_ui_lists_the_deployments_in_chromium(served, home):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.fail("chromium not installed: `make test` installs it (make chromium)")
-    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-           "--disable-component-update", "--disable-sync", f"--user-data-dir={home / 'chromium'}", "--virtual-time-budget=15000"]
+    cmd = [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={home / 'chromium'}",
+        "--virtual-time-budget=15000",
+    ]
     url = f"http://127.0.0.1:{served['port']}/deployments"
     dom = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
     for name in DEPLOYMENTS:  # each deployment is a link named after it (the UI rendered the API's list)
         assert re.search(rf">\s*{re.escape(name)}\s*</a>", dom), name
-    subprocess.run([*cmd, "--window-size=1400,900", f"--screenshot={home / 'deployments.png'}", url], capture_output=True, timeout=90)
+    subprocess.run(
+        [*cmd, "--window-size=1400,900", f"--screenshot={home / 'deployments.png'}", url],
+        capture_output=True,
+        timeout=90,
+    )
     assert (home / "deployments.png").stat().st_size > 10_000
 
 
@@ -381,6 +503,8 @@ def test_ctrl_c_stops_runner_then_server(served):
 @pytest.mark.timeout(60)
 def test_deployment_run_without_server_is_prefects_error(tmp_path):
     env = {**isolated_env(tmp_path), "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
-    proc = subprocess.run(["prefect", "deployment", "run", "rlhf/ppo"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50)
+    proc = subprocess.run(
+        ["prefect", "deployment", "run", "rlhf/ppo"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50
+    )
     assert proc.returncode != 0
     assert "ConnectError" in proc.stdout + proc.stderr

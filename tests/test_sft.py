@@ -16,7 +16,9 @@ from rlhf.io import read_json
 from rlhf.models import loading, tiny
 from rlhf.stages import sft
 
-MICRO_MODEL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=32)
+MICRO_MODEL = ModelConfig(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=32
+)
 MICRO_SFT = SFTConfig(epochs=4, batch_size=16, learning_rate=1e-2, warmup_ratio=0.1, max_length=16, heldout_texts=40)
 
 
@@ -30,7 +32,9 @@ def _reviews(n: int, seed: int = 0) -> list[str]:
 
 
 def _config(tmp_path, **sft_updates) -> Config:
-    return Config(profile="test", seed=3, data_dir=str(tmp_path), model=MICRO_MODEL, sft=MICRO_SFT.model_copy(update=sft_updates))
+    return Config(
+        profile="test", seed=3, data_dir=str(tmp_path), model=MICRO_MODEL, sft=MICRO_SFT.model_copy(update=sft_updates)
+    )
 
 
 @pytest.fixture
@@ -40,6 +44,7 @@ def prepared(tmp_path):
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
+
 
 def test_encode_texts_truncates_and_appends_eos():
     tok = tiny.train_word_tokenizer(["a b c d e f g h"], vocab_size=32)
@@ -86,6 +91,7 @@ def test_split_heldout_is_disjoint_and_capped():
 
 # --- the stage -------------------------------------------------------------------------------------------
 
+
 def test_sft_stage_lowers_loss_and_writes_loadable_model(prepared):
     cfg = _config(prepared)
     metrics = sft.run(cfg)
@@ -102,7 +108,7 @@ def test_sft_stage_lowers_loss_and_writes_loadable_model(prepared):
     assert metrics["heldout_perplexity"] == pytest.approx(math.exp(metrics["heldout_loss"]))
     # the saved model is the trained one: recomputing the held-out loss from disk gives the same number
     _, held = sft.split_heldout(_reviews(300), cfg.sft.heldout_texts, cfg.seed)
-    again = sft.mean_token_loss(model, sft.encode_texts(tok, held, cfg.sft.max_length), 16, tok.pad_token_id)
+    again = sft.mean_token_loss(model, sft.encode_texts(tok, held, cfg.sft.max_length), 16, tok.pad_token_id, "cpu")
     assert again == pytest.approx(metrics["heldout_loss"], rel=1e-5)
     # it learnt to stop: after a full template, EOS is the most likely next token
     ids = tok("the movie was great and i loved it .", return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -133,3 +139,20 @@ def test_sft_stage_needs_prepared_data(tmp_path):
 def test_tiny_without_training_is_refused(prepared):
     with pytest.raises(ConfigError, match="sft.train"):
         sft.run(_config(prepared, train=False))
+
+
+def test_a_pretrained_reward_model_is_used_as_the_proxy_and_measured_against_gold(ci_stages, tmp_path):
+    """reward.pretrained (the paper's RMs on GPU machines; a local folder here): no training, only agreement."""
+    from conftest import ci_config
+
+    from rlhf.stages import reward
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("prepared", "gold", "sft"):
+        (data / name).symlink_to(ci_stages / name)
+    metrics = reward.run(ci_config(data, f"reward.pretrained={ci_stages / 'reward' / 'model'}"))
+    assert metrics["pretrained"] == str(ci_stages / "reward" / "model") and "train_loss" not in metrics
+    assert 0 <= metrics["agreement_heldout"] <= 1 and metrics["n_test"] == metrics["n_pairs"] >= 4
+    saved, given = (loading.load_reward_model(d / "reward" / "model").state_dict() for d in (data, ci_stages))
+    assert saved.keys() == given.keys() and all(torch.equal(saved[k], given[k]) for k in saved)

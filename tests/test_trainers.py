@@ -9,11 +9,13 @@ import sys
 
 import pytest
 import torch
+from conftest import ROOT, ci_config
 from transformers import AutoModelForCausalLM
 
-from conftest import ROOT, ci_config
-from rlhf.trainers.loop import Sizes, batch_prompts, train
-from rlhf.trainers.presets import PRESETS
+from rlhf.config import load_config
+from rlhf.presets import PRESETS
+from rlhf.trainers.loop import train
+from rlhf.trainers.setup import Sizes, batch_prompts
 
 HF_TRAINERS = [name for name, p in PRESETS.items() if p.engine == "hf"]
 
@@ -80,15 +82,27 @@ def test_prompt_batches_are_disjoint_within_an_epoch_and_pure_functions_of_the_s
     assert batch_prompts(prompts, 3, sizes, 1, 0) == batch_prompts(prompts, 3, sizes, 1, 0)
 
 
-@pytest.mark.parametrize("zero", ["zero2", "zero3"])
-def test_deepspeed_two_processes_train_and_save_a_reloadable_policy(ci_data, zero):
-    cmd = [sys.executable, "-m", "rlhf.runtime", "accelerate", "launch", "--config_file", str(ROOT / "configs" / f"{zero}.yaml"),
-           "--num_processes", "2", "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train",
-           "--trainer", "ppo", f"data_dir={ci_data}", "tracking.wandb_mode=disabled", "train.total_episodes=32"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+LAUNCHERS = {  # two training processes each: DeepSpeed ZeRO-2 and ZeRO-3 through accelerate, and plain DDP
+    "zero2": ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml"), "--num_processes", "2"],
+    "zero3": ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero3.yaml"), "--num_processes", "2"],
+    "ddp": ["torchrun", "--standalone", "--nproc_per_node", "2"],
+}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_two_processes_train_step_the_schedule_once_per_update_and_save_a_reloadable_policy(ci_data, launcher):
+    cli = ["-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train", "--trainer", "ppo"]
+    settings = [f"data_dir={ci_data}", "tracking.wandb_mode=disabled", "train.total_episodes=32"]
+    cmd = [sys.executable, "-m", "rlhf.runtime", *LAUNCHERS[launcher], *cli, *settings]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1"} if launcher == "ddp" else None  # torchrun: accelerate's CPU DDP
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_rows(ci_data)
     assert len(rows) == 2  # 32 episodes / (P*G*M = 8 prompts x 2 processes)
+    # Linear decay over the run's 4 optimizer steps (2 per batch): one schedule step per update, not per process.
+    lr = load_config(ROOT / "params.yaml", "ci").train.learning_rate
+    assert [float(r["lr"]) for r in rows] == pytest.approx([lr * (1 - 2 / 4), lr * (1 - 4 / 4)])
+    assert [int(float(r["train/global_step"])) for r in rows] == [2, 4]
     model = AutoModelForCausalLM.from_pretrained(ci_data / "train" / "policy")
     sft = AutoModelForCausalLM.from_pretrained(ci_data / "sft")
     assert set(model.state_dict()) == set(sft.state_dict())
@@ -99,10 +113,24 @@ def test_a_run_writes_nothing_into_the_users_home(ci_data, tmp_path):
     """Caches, W&B (offline) and telemetry ids stay in the project's folders (rlhf/runtime.py)."""
     home = tmp_path / "home"
     home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "WANDB_", "PREFECT_", "XDG_", "TORCH_", "VLLM_", "DVC_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("HF_", "WANDB_", "PREFECT_", "XDG_", "TORCH_", "VLLM_", "DVC_"))
+    }
     env["HOME"] = str(home)
-    cmd = [sys.executable, "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train", f"data_dir={ci_data}",
-           "tracking.wandb_mode=offline"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf.cli",
+        "--params",
+        str(ROOT / "params.yaml"),
+        "--profile",
+        "ci",
+        "train",
+        f"data_dir={ci_data}",
+        "tracking.wandb_mode=offline",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []

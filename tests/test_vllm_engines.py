@@ -5,6 +5,9 @@ are the tempered log-probs the trainer computes, samples are prompt-major and re
 Async (`vllm_async`): the loop's submit-ahead protocol gives every batch version max(0, t - N) exactly, in
 order, sampled from that version's snapshot; a killed or failing engine process raises RuntimeError fast;
 close() is idempotent and leaves no process.
+
+The engines are module fixtures (one start each) and the last tests close or kill them, so the module runs on
+one pytest-xdist worker in file order (`xdist_group`; `make test` uses `--dist loadgroup`).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import pytest
 import torch
 
 from rlhf.config import ModelConfig
-from rlhf.generation.base import SamplingParams, pad_right
-from rlhf.generation.vllm import make_vllm_engine, request_seed
+from rlhf.generation.base import SamplingParams
+from rlhf.generation.factory import make_engine
+from rlhf.generation.vllm import request_seed
 from rlhf.models import loading, tiny
+from rlhf.models.batch import pad_right
 
 TEXTS = [
     "the movie was great and i loved it .",
@@ -32,6 +37,8 @@ TEXTS = [
 SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_position_embeddings=64)
 MAX_MODEL_LEN = 64
 SEED = 3
+CPU = torch.device("cpu")  # where the tests' HF models live
+pytestmark = pytest.mark.xdist_group("vllm_engines")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +57,8 @@ def prompt_ids(tok, texts: list[str]) -> list[list[int]]:
 def colocated(policy, tmp_path_factory):
     folder, tok = policy
     start = time.perf_counter()
-    engine = make_vllm_engine("vllm", folder, tok, 0, SEED, MAX_MODEL_LEN, tmp_path_factory.mktemp("colocated_work"))
+    work = tmp_path_factory.mktemp("colocated_work")
+    engine = make_engine("vllm", None, folder, tok, device=CPU, seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=work)
     print(f"\ncolocated vLLM engine start: {time.perf_counter() - start:.1f} s (LLM() {engine.start_seconds:.1f} s)")
     yield engine
     engine.close()
@@ -62,9 +70,15 @@ def hf_greedy(model, prompts: list[list[int]], max_new: int, tok) -> torch.Tenso
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            rows.append(out[0, len(p):].tolist())
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+            rows.append(out[0, len(p) :].tolist())
     return pad_right(rows, max_new, tok.pad_token_id)
 
 
@@ -75,7 +89,9 @@ def response_length(row: list[int], eos: int) -> int:
     return row.index(eos) + 1 if eos in row else len(row)
 
 
-def hf_logprobs(model, prompts: list[list[int]], responses: torch.Tensor, k: int, temperature: float, eos: int) -> torch.Tensor:
+def hf_logprobs(
+    model, prompts: list[list[int]], responses: torch.Tensor, k: int, temperature: float, eos: int
+) -> torch.Tensor:
     """log_softmax(logits / T) of each response token under `model` (0 on padding); row i uses prompt i // k."""
     out = torch.zeros(responses.shape)
     with torch.no_grad():
@@ -133,7 +149,10 @@ def test_colocated_greedy_follows_weight_sync(policy, colocated):
     torch.testing.assert_close(synced.responses, trained, rtol=0, atol=0)
     stats = colocated.stats()
     assert set(stats) == {"timing/weight_snapshot", "timing/weight_sync_engine"} and all(v >= 0 for v in stats.values())
-    print(f"\ncolocated weight sync: snapshot+write {stats['timing/weight_snapshot']:.3f} s, reload {stats['timing/weight_sync_engine']:.3f} s")
+    print(
+        f"\ncolocated weight sync: snapshot+write {stats['timing/weight_snapshot']:.3f} s, reload "
+        f"{stats['timing/weight_sync_engine']:.3f} s"
+    )
     # a second sync replaces (and deletes) the first snapshot folder
     colocated.load_weights(model, version=2)
     assert len(list(colocated.work_dir.glob("policy-*"))) == 1
@@ -188,8 +207,13 @@ def test_colocated_close_twice(colocated):
 def _make_async(policy, tmp_path_factory, n):
     folder, tok = policy
     start = time.perf_counter()
-    engine = make_vllm_engine("vllm_async", folder, tok, n, SEED, MAX_MODEL_LEN, tmp_path_factory.mktemp(f"async{n}_work"))
-    print(f"\nasync (N={n}) engine ready after {time.perf_counter() - start:.1f} s (LLM() {engine.start_seconds:.1f} s)")
+    work = tmp_path_factory.mktemp(f"async{n}_work")
+    limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=work, max_staleness=n)
+    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits)
+    engine.wait_ready()
+    print(
+        f"\nasync (N={n}) engine ready after {time.perf_counter() - start:.1f} s (LLM() {engine.start_seconds:.1f} s)"
+    )
     return engine
 
 
@@ -307,7 +331,7 @@ def test_hf_engine_returns_the_log_probs_it_sampled_with(policy):
     folder, tok = policy
     model = loading.load_causal_lm(folder)
     prompts, k, temperature = prompt_ids(tok, TEXTS[:3]), 2, 0.8  # prompts of different lengths: left padding
-    engine = HFEngine(model, tok.pad_token_id, tok.eos_token_id)
+    engine = HFEngine(model, tok.pad_token_id, tok.eos_token_id, CPU)
     engine.submit(prompts, SamplingParams(k=k, max_new_tokens=8, temperature=temperature))
     gen = engine.receive()
     expected = hf_logprobs(model, prompts, gen.responses, k, temperature, tok.eos_token_id)

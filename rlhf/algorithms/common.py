@@ -125,23 +125,6 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
     return token_logits - log_normaliser
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Entropy of the full tempered next-token distribution at every position.
-
-    Source: TRL `entropy_from_logits` (H = -sum_v p_v log p_v), one sequence at a time for memory.
-    Shapes: logits (N, T, V) -> (N, T) float (float32 or wider).
-    """
-    _check_temperature(temperature)
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    rows = []
-    for row in logits:
-        logp = torch.log_softmax(row.to(dtype) / temperature, dim=-1)
-        p = logp.exp()
-        # Tokens masked to -inf (p = 0) contribute 0 * log 0 := 0; zeroing logp there also keeps the grad finite.
-        rows.append(-(p * torch.where(p > 0, logp, 0.0)).sum(-1))
-    return torch.stack(rows)
-
-
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) from tokens sampled from pi.
 

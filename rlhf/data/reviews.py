@@ -105,12 +105,17 @@ def build_splits(reviews: pd.DataFrame, cfg: DataConfig, seed: int) -> dict[str,
     gold_ids = rng.permutation(ids)[: cfg.max_gold_texts]
     n_test = int(round(len(gold_ids) * cfg.gold_test_fraction))
     if n_test == 0 or n_test == len(gold_ids):
-        raise ConfigError(f"data.gold_test_fraction={cfg.gold_test_fraction} of {len(gold_ids)} labelled texts leaves gold_train or gold_test empty")
+        raise ConfigError(
+            f"data.gold_test_fraction={cfg.gold_test_fraction} of {len(gold_ids)} labelled texts leaves gold_train "
+            f"or gold_test empty"
+        )
 
     text = reviews["text"]
 
     def prompts(rows: np.ndarray) -> pd.DataFrame:
-        return pd.DataFrame({"prompt_id": rows.astype(np.int64), "prompt": _words(text.iloc[rows], 0, cfg.prompt_words)})
+        return pd.DataFrame(
+            {"prompt_id": rows.astype(np.int64), "prompt": _words(text.iloc[rows], 0, cfg.prompt_words)}
+        )
 
     def labelled(rows: np.ndarray) -> pd.DataFrame:
         return reviews.iloc[np.sort(rows)].reset_index(drop=True)  # sorted: file order, easy to diff
@@ -119,7 +124,9 @@ def build_splits(reviews: pd.DataFrame, cfg: DataConfig, seed: int) -> dict[str,
         "sft": pd.DataFrame({"text": _words(text.iloc[sft_ids], 0, cfg.sft_words)}),
         "reward_prompts": prompts(reward_ids),
         "rl_prompts": prompts(rl_ids),
-        "eval_prompts": prompts(eval_ids).assign(reference=_words(text.iloc[eval_ids], cfg.prompt_words, cfg.prompt_words + cfg.reference_words)),
+        "eval_prompts": prompts(eval_ids).assign(
+            reference=_words(text.iloc[eval_ids], cfg.prompt_words, cfg.prompt_words + cfg.reference_words)
+        ),
         "gold_train": labelled(gold_ids[n_test:]),
         "gold_test": labelled(gold_ids[:n_test]),
     }

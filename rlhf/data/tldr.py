@@ -79,7 +79,9 @@ def _labelled(pairs: pd.DataFrame) -> pd.DataFrame:
     return out.drop_duplicates("text", keep=False).reset_index(drop=True)
 
 
-def build_splits(prompts: datasets.DatasetDict, pairs: datasets.DatasetDict, cfg: DataConfig, seed: int) -> dict[str, pd.DataFrame]:
+def build_splits(
+    prompts: datasets.DatasetDict, pairs: datasets.DatasetDict, cfg: DataConfig, seed: int
+) -> dict[str, pd.DataFrame]:
     """The six splits of rlhf.data.splits from the TL;DR prompts and human pairs (see module docstring).
 
     prompt_id is the row index in the prompts train split, or len(train) + row index for eval prompts,
@@ -92,12 +94,24 @@ def build_splits(prompts: datasets.DatasetDict, pairs: datasets.DatasetDict, cfg
 
     order = rng.permutation(len(train))
     sft_ids = take_rows(order, 0, cfg.n_sft, "n_sft", "TL;DR train prompts")
-    reward_ids = take_rows(order, len(sft_ids), cfg.n_reward_prompts, "n_reward_prompts", "TL;DR train prompts (after sft)")
-    rl_ids = take_rows(order, len(sft_ids) + len(reward_ids), cfg.n_rl_prompts, "n_rl_prompts", "TL;DR train prompts (after sft, reward)")
-    eval_ids = take_rows(rng.permutation(len(held_out)), 0, cfg.n_eval_prompts, "n_eval_prompts", f"TL;DR {eval_split} prompts")
+    reward_ids = take_rows(
+        order, len(sft_ids), cfg.n_reward_prompts, "n_reward_prompts", "TL;DR train prompts (after sft)"
+    )
+    rl_ids = take_rows(
+        order,
+        len(sft_ids) + len(reward_ids),
+        cfg.n_rl_prompts,
+        "n_rl_prompts",
+        "TL;DR train prompts (after sft, reward)",
+    )
+    eval_ids = take_rows(
+        rng.permutation(len(held_out)), 0, cfg.n_eval_prompts, "n_eval_prompts", f"TL;DR {eval_split} prompts"
+    )
 
     def prompt_frame(frame: pd.DataFrame, rows: np.ndarray, offset: int) -> pd.DataFrame:
-        return pd.DataFrame({"prompt_id": (rows + offset).astype(np.int64), "prompt": frame["query"].iloc[rows].tolist()})
+        return pd.DataFrame(
+            {"prompt_id": (rows + offset).astype(np.int64), "prompt": frame["query"].iloc[rows].tolist()}
+        )
 
     sft = train.iloc[sft_ids]
     gold_train = _labelled(_frame(pairs, "train", ["chosen", "rejected"], "tldr_pairs_dataset"))
@@ -112,16 +126,25 @@ def build_splits(prompts: datasets.DatasetDict, pairs: datasets.DatasetDict, cfg
     gold_test = gold_test.iloc[:n_test]
 
     return {
-        "sft": pd.DataFrame({"text": [q + " " + strip_eos(r) for q, r in zip(sft["query"], sft["reference_response"])]}),
+        "sft": pd.DataFrame(
+            {"text": [q + " " + strip_eos(r) for q, r in zip(sft["query"], sft["reference_response"])]}
+        ),
         "reward_prompts": prompt_frame(train, reward_ids, 0),
         "rl_prompts": prompt_frame(train, rl_ids, 0),
-        "eval_prompts": prompt_frame(held_out, eval_ids, len(train)).assign(reference=held_out["reference_response"].iloc[eval_ids].map(strip_eos).tolist()),
+        "eval_prompts": prompt_frame(held_out, eval_ids, len(train)).assign(
+            reference=held_out["reference_response"].iloc[eval_ids].map(strip_eos).tolist()
+        ),
         "gold_train": gold_train.reset_index(drop=True),
         "gold_test": gold_test.reset_index(drop=True),
     }
 
 
-def load_splits(cfg: DataConfig, seed: int, prompts: str | Path | datasets.DatasetDict | None = None, pairs: str | Path | datasets.DatasetDict | None = None) -> dict[str, pd.DataFrame]:
+def load_splits(
+    cfg: DataConfig,
+    seed: int,
+    prompts: str | Path | datasets.DatasetDict | None = None,
+    pairs: str | Path | datasets.DatasetDict | None = None,
+) -> dict[str, pd.DataFrame]:
     """Splits from cfg.tldr_prompts_dataset / cfg.tldr_pairs_dataset (or the given DatasetDicts / folders)."""
     prompts_dd = load_hub_dataset(prompts if prompts is not None else cfg.tldr_prompts_dataset, "tldr_prompts_dataset")
     pairs_dd = load_hub_dataset(pairs if pairs is not None else cfg.tldr_pairs_dataset, "tldr_pairs_dataset")

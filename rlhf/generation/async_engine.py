@@ -1,4 +1,5 @@
 """Asynchronous generation: a VLLMEngine in its own process samples up to N batches ahead of training.
+This module is the trainer's side; the engine process runs rlhf.generation.engine_process.
 
 Processes and channels:
 - The trainer (this process) and one engine process (multiprocessing "spawn"), pinned to the last allowed core
@@ -43,47 +44,42 @@ Generated.seconds is the engine's own generation time for the batch.
 from __future__ import annotations
 
 import atexit
-import ctypes
+import math
 import multiprocessing as mp
 import os
 import queue
 import shutil
 import signal
-import threading
 import time
-import traceback
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rlhf.generation.base import Generated, SamplingParams
-
-POLL_SECONDS = 0.5  # how often a waiting side checks that the other one is still alive
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the engine process needs to build its VLLMEngine (picklable)."""
-
-    model_folder: str
-    eos_token_id: int
-    pad_token_id: int
-    seed: int
-    max_model_len: int
-    work_dir: str
-    reward: object = None  # a rlhf.rewards.proxy.RewardSpec: score batches in the engine process
-    dtype: str = "float32"
+from rlhf.generation.engine_process import POLL_SECONDS, EngineSpec, engine_process_main
+from rlhf.generation.weights import snapshot_folder, snapshot_state_dict, write_snapshot
+from rlhf.io import atomic_dir
 
 
 class AsyncEngine:
     """The Engine protocol over a VLLMEngine in its own process; lookahead = max_staleness (N >= 1)."""
 
-    def __init__(self, model_folder: Path, eos_token_id: int, pad_token_id: int, seed: int, max_model_len: int,
-                 work_dir: Path, max_staleness: int, reward=None, score: str = "always", dtype: str = "float32", start_timeout: float = 600.0):
+    def __init__(
+        self,
+        model_folder: Path,
+        eos_token_id: int,
+        pad_token_id: int,
+        seed: int,
+        max_model_len: int,
+        work_dir: Path,
+        max_staleness: int,
+        reward=None,
+        score: str = "always",
+        dtype: str = "float32",
+        start_timeout: float = 600.0,
+    ):
         if max_staleness < 1:
             raise ValueError(f"AsyncEngine: max_staleness must be >= 1, got {max_staleness}")
         self.lookahead = max_staleness
@@ -101,17 +97,27 @@ class AsyncEngine:
         self._inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
         self._stop = ctx.Event()
         reader, writer = ctx.Pipe(duplex=False)
-        spec = EngineSpec(str(model_folder), eos_token_id, pad_token_id, seed, max_model_len, str(work_dir), reward, dtype)
-        self._proc = ctx.Process(target=engine_process_main, args=(spec, self._inbox, writer, self._stop, os.getpid()),
-                                 name="rlhf-vllm-engine", daemon=False)
+        spec = EngineSpec(
+            str(model_folder), eos_token_id, pad_token_id, seed, max_model_len, str(work_dir), reward, dtype
+        )
+        self._proc = ctx.Process(
+            target=engine_process_main,
+            args=(spec, self._inbox, writer, self._stop, os.getpid()),
+            name="rlhf-vllm-engine",
+            daemon=False,
+        )
         self._proc.start()
         writer.close()  # the engine holds the only write end: its death closes the pipe
         self._results = reader
-        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._inbox, self._results, self._snapshots)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._proc, self._stop, self._inbox, self._results, self._snapshots
+        )
         # Run before multiprocessing's own exit hook, which would join the (non-daemon) engine forever.
         self._finalizer.atexit = False
         atexit.register(self._finalizer)
-        self._wait_ready(start_timeout)
+        # vLLM builds in the engine process while the trainer goes on loading its models: messages queue up until
+        # it is ready, and the first receive() waits for it (wait_ready).
+        self._start_deadline = time.monotonic() + start_timeout
 
     # The Engine protocol
 
@@ -131,6 +137,7 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.receive: no batch was submitted")
         batch = self._pending[0]
         waited = time.perf_counter()
+        self.wait_ready()
         while batch not in self._ready:
             self._handle(self._next_message(timeout=None))
         gen, stats = self._ready.pop(batch)
@@ -142,8 +149,6 @@ class AsyncEngine:
 
     def load_weights(self, model: torch.nn.Module, version: int) -> None:
         """Snapshot `model` into a new folder and queue it; the engine loads it before its next batch."""
-        from rlhf.generation.vllm import snapshot_folder, snapshot_state_dict, write_snapshot
-
         start = time.perf_counter()
         folder = write_snapshot(snapshot_state_dict(model), snapshot_folder(self.work_dir, version))
         self._snapshots[version] = folder
@@ -152,9 +157,6 @@ class AsyncEngine:
 
     def load_snapshot(self, folder: Path, version: int) -> None:
         """Queue weights saved earlier (a checkpoint's copy of `weights_in_flight`); `folder` stays untouched."""
-        from rlhf.generation.vllm import snapshot_folder
-        from rlhf.io import atomic_dir
-
         with atomic_dir(snapshot_folder(self.work_dir, version)) as tmp:
             shutil.copytree(folder, tmp, dirs_exist_ok=True)
         self._snapshots[version] = snapshot_folder(self.work_dir, version)
@@ -167,6 +169,8 @@ class AsyncEngine:
 
     def close(self) -> None:
         """Stop the engine process (stop event + sentinel, join, then terminate/kill); safe to call twice."""
+        if math.isnan(self.start_seconds) and self._proc.is_alive():
+            self._proc.terminate()  # still building vLLM, deaf to the stop message: nothing to lose
         self._finalizer()
         atexit.unregister(self._finalizer)
 
@@ -180,12 +184,14 @@ class AsyncEngine:
 
     # Channel plumbing
 
-    def _wait_ready(self, timeout: float) -> None:
+    def wait_ready(self) -> None:
+        """Block until the engine process has built vLLM; its start-up errors are raised here, and it is closed."""
         try:
-            msg = self._next_message(timeout=timeout)
-            if msg is None:
-                raise RuntimeError(f"vLLM engine process (pid {self._proc.pid}) did not start within {timeout:.0f} s")
-            self._handle(msg)
+            while math.isnan(self.start_seconds):
+                msg = self._next_message(timeout=max(0.0, self._start_deadline - time.monotonic()))
+                if msg is None:
+                    raise RuntimeError(f"vLLM engine process (pid {self._proc.pid}) did not start in time")
+                self._handle(msg)
         except BaseException:
             self.close()
             raise
@@ -279,117 +285,3 @@ def _shutdown(proc, stop, inbox, results, snapshots: dict, timeout: float = 30.0
     for folder in snapshots.values():
         shutil.rmtree(folder, ignore_errors=True)
     snapshots.clear()
-
-
-# --- the engine process ------------------------------------------------------------------------------------
-
-def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int) -> None:
-    """Entry point of the engine process: build the VLLMEngine, then handle messages in order until stopped.
-
-    Errors are sent back as ("error", traceback) before the process exits with code 1.
-    """
-    _die_with_parent(parent_pid)
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) > 1:
-        os.sched_setaffinity(0, {cores[-1]})  # its own core; the trainer keeps the others
-    torch.set_num_threads(1)
-    outbox = _Sender(results)
-    try:
-        from rlhf.generation.vllm import VLLMEngine
-
-        engine = VLLMEngine(Path(spec.model_folder), spec.eos_token_id, spec.pad_token_id, spec.seed, spec.max_model_len, Path(spec.work_dir), spec.dtype)
-        scorer = _Scorer(spec) if spec.reward is not None else None
-        outbox.send(("ready", engine.start_seconds))
-        idle = reload = 0.0
-        while True:
-            waited = time.perf_counter()
-            msg = _next_work(inbox, stop, parent_pid)
-            idle += time.perf_counter() - waited
-            if msg is None:
-                break
-            if msg[0] == "weights":
-                _, folder, version = msg
-                reload += engine.reload(Path(folder), version, delete_previous=False)  # the trainer side deletes
-                outbox.send(("ack", version))
-            elif msg[0] == "generate":
-                _, batch, prompts, params, score = msg
-                gen = engine.generate(prompts, params, batch)
-                scored = time.perf_counter()
-                scores = scorer(prompts, gen.responses, params.k).numpy() if scorer is not None and score else None
-                scoring = time.perf_counter() - scored
-                outbox.send(("result", batch, gen.responses.numpy(), gen.logprobs.numpy(), scores, gen.version, gen.seconds, idle, reload, scoring))
-                idle = reload = 0.0
-            else:
-                raise ValueError(f"unknown message {msg[0]!r}")
-    except BaseException:
-        outbox.send(("error", traceback.format_exc()))
-        outbox.flush(timeout=10)
-        # Exit at once, with the code the trainer reports: vLLM lives in this process only, so there is
-        # nothing to shut down, and a normal interpreter exit (vLLM/torch teardown) can take seconds.
-        os._exit(1)
-    engine.close()
-    outbox.flush(timeout=10)
-
-
-class _Scorer:
-    """The run's reward function inside the engine process, fed exactly what the learner would feed it."""
-
-    def __init__(self, spec: EngineSpec):
-        from rlhf.models.loading import load_tokenizer
-
-        self.reward_fn = spec.reward.build()
-        self.tokenizer = load_tokenizer(Path(spec.model_folder)) if self.reward_fn.needs_texts else None
-        self.pad, self.eos = spec.pad_token_id, spec.eos_token_id
-
-    def __call__(self, prompts: list[list[int]], responses: torch.Tensor, k: int) -> torch.Tensor:
-        from rlhf.trainers.forward import assemble
-
-        batch = assemble(prompts, responses, k, self.pad, self.eos)
-        return self.reward_fn(batch, batch.texts(self.tokenizer) if self.tokenizer is not None else [])
-
-
-def _next_work(inbox, stop, parent_pid: int):
-    """The next message, or None when asked to stop or when the trainer is gone."""
-    while not stop.is_set():
-        if os.getppid() != parent_pid:
-            return None
-        try:
-            msg = inbox.get(timeout=POLL_SECONDS)
-        except queue.Empty:
-            continue
-        return None if msg[0] == "stop" or stop.is_set() else msg
-    return None
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when the trainer dies, so no engine outlives a killed run."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the parent-pid check in _next_work still ends it
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-class _Sender:
-    """Sends messages to the trainer from a thread, through a bounded buffer, in order."""
-
-    def __init__(self, conn, capacity: int = 64):
-        self.conn = conn
-        self.buffer: queue.Queue = queue.Queue(maxsize=capacity)
-        self.thread = threading.Thread(target=self._run, name="rlhf-vllm-sender", daemon=True)
-        self.thread.start()
-
-    def send(self, msg: tuple) -> None:
-        self.buffer.put(msg)
-
-    def flush(self, timeout: float) -> None:
-        self.buffer.put(None)
-        self.thread.join(timeout)
-
-    def _run(self) -> None:
-        while (msg := self.buffer.get()) is not None:
-            try:
-                self.conn.send(msg)
-            except (BrokenPipeError, OSError):
-                return  # the trainer is gone

@@ -8,6 +8,7 @@ engine generates ahead of training: 0 = synchronous (every batch sampled with th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -30,10 +31,10 @@ class Generated:
 
 
 class Engine(Protocol):
-    """Engines with lookahead > 0 (the async engine) also have `weights_in_flight()` and `load_snapshot()`,
-    which a checkpoint and a resume use to put back the batches that were being sampled ahead."""
+    """What the loop calls on an engine: rlhf.generation.hf.HFEngine, rlhf.generation.vllm.VLLMEngine and
+    rlhf.generation.async_engine.AsyncEngine implement all of it."""
 
-    lookahead: int
+    lookahead: int  # batches generated ahead of training: 0 = synchronous
 
     def seek(self, batch: int) -> None:
         """The next submitted batch is run batch number `batch` (engines that seed per batch seed from it)."""
@@ -47,24 +48,16 @@ class Engine(Protocol):
     def load_weights(self, model: torch.nn.Module, version: int) -> None:
         """Make the engine sample from `model`'s current weights from now on, tagged `version`."""
 
+    def weights_in_flight(self, version: int) -> dict[int, Path]:
+        """Snapshot folders of the versions still sampling batches ahead of `version` (a checkpoint keeps them);
+        empty for a synchronous engine."""
+
+    def load_snapshot(self, folder: Path, version: int) -> None:
+        """Queue weights a checkpoint kept (`weights_in_flight`), tagged `version`: a resume puts back the
+        batches that were being sampled ahead. Never called on a synchronous engine."""
+
+    def stats(self) -> dict[str, float]:
+        """Timing metrics (`timing/*`) of the batch last received and the last weight sync."""
+
     def close(self) -> None:
         """Release processes and memory; safe to call twice."""
-
-
-def pad_right(rows: list[list[int]], length: int, pad_id: int) -> torch.Tensor:
-    out = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    for i, row in enumerate(rows):
-        row = row[:length]
-        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return out
-
-
-def pad_left(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token id lists -> ids (n, C) and a bool mask (n, C)."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = True
-    return ids, mask

@@ -7,27 +7,16 @@ skip a second forward over the batch.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
+from pathlib import Path
 
 import torch
-
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from rlhf.generation.base import Generated, SamplingParams, pad_left, pad_right
-
-
-@contextlib.contextmanager
-def gathered_for_generation(model: torch.nn.Module):
-    """Under ZeRO-3 each rank holds shards: gather the full weights for the duration of `generate`."""
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            yield
-    else:
-        yield
+from rlhf.generation.base import Generated, SamplingParams
+from rlhf.generation.weights import gathered_parameters
+from rlhf.models.batch import pad_left, pad_right
 
 
 class _SampledLogprobs(LogitsProcessor):
@@ -60,8 +49,9 @@ class _SampledLogprobs(LogitsProcessor):
 class HFEngine:
     lookahead = 0
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int, device: torch.device):
         self.model = model
+        self.device = device  # the model's: prompts go there, responses come back to the CPU like any engine's
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.version = 0
@@ -74,11 +64,11 @@ class HFEngine:
     def receive(self) -> Generated:
         prompts, p = self._queue.popleft()
         start = time.perf_counter()
-        ids, mask = pad_left(prompts, self.pad_token_id)
+        ids, mask = (t.to(self.device) for t in pad_left(prompts, self.pad_token_id))
         was_training = self.model.training
         self.model.eval()
         recorder = _SampledLogprobs(p.temperature)
-        with gathered_for_generation(self.model):
+        with gathered_parameters(self.model):
             out = self.model.generate(
                 logits_processor=LogitsProcessorList([recorder]),
                 input_ids=ids,
@@ -96,7 +86,12 @@ class HFEngine:
         responses = out[:, ids.shape[1] :]
         logprobs = torch.zeros(responses.shape[0], p.max_new_tokens)
         logprobs[:, : responses.shape[1]] = recorder.result(responses)
-        return Generated(pad_right(responses.tolist(), p.max_new_tokens, self.pad_token_id), self.version, time.perf_counter() - start, logprobs)
+        return Generated(
+            pad_right(responses.tolist(), p.max_new_tokens, self.pad_token_id),
+            self.version,
+            time.perf_counter() - start,
+            logprobs,
+        )
 
     def seek(self, batch: int) -> None:
         pass  # samples come from the global torch RNG, which a checkpoint restores
@@ -104,6 +99,15 @@ class HFEngine:
     def load_weights(self, model: torch.nn.Module, version: int) -> None:
         # The engine samples from the training model itself: nothing to copy.
         self.version = version
+
+    def weights_in_flight(self, version: int) -> dict[int, Path]:
+        return {}  # synchronous: nothing is sampled ahead
+
+    def load_snapshot(self, folder: Path, version: int) -> None:
+        raise RuntimeError("HFEngine samples from the training model: it has no snapshots to load")
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         self._queue.clear()

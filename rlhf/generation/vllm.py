@@ -1,4 +1,4 @@
-"""Generation with vLLM (CPU build 0.32): the colocated engine, weight snapshots, and the engine factory.
+"""Generation with vLLM (CPU build 0.32): the colocated engine and the sampling conventions it shares.
 
 `VLLMEngine` (train.engine "vllm", lookahead 0) samples each batch when the loop asks for it, with the weights
 of the last `load_weights`. `rlhf.generation.async_engine.AsyncEngine` ("vllm_async") runs the same class in its
@@ -39,41 +39,12 @@ from pathlib import Path
 
 import torch
 
-from rlhf.generation.base import Generated, SamplingParams, pad_right
-from rlhf.generation.hf import gathered_for_generation
-from rlhf.io import atomic_dir
-
-WEIGHTS_FILE = "model.safetensors"
-
-
-# --- weight snapshots (used by both engines, in the trainer process) ---------------------------------------
-
-def snapshot_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of `model`'s full weights on CPU, {HF name: tensor}, that later optimizer steps cannot change.
-
-    Under ZeRO-3 every rank holds shards: the parameters are gathered (a collective, so every rank must call
-    this) and cloned inside the gather. Tied tensors become separate copies (safetensors refuses shared ones;
-    vLLM skips lm_head.weight for tied models).
-    """
-    with gathered_for_generation(model):
-        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in model.state_dict().items()}
-
-
-def write_snapshot(state: dict[str, torch.Tensor], folder: Path) -> Path:
-    """Write `state` as `folder`/model.safetensors, atomically: the folder appears only once it is complete."""
-    from safetensors.torch import save_file
-
-    with atomic_dir(folder) as tmp:
-        save_file(state, str(tmp / WEIGHTS_FILE))
-    return folder
-
-
-def snapshot_folder(work_dir: Path, version: int) -> Path:
-    """work_dir/policy-<pid>-v<version>: the pid keeps ranks sharing a work_dir apart; a new folder per version."""
-    return Path(work_dir) / f"policy-{os.getpid()}-v{version:06d}"
-
+from rlhf.generation.base import Generated, SamplingParams
+from rlhf.generation.weights import snapshot_folder, snapshot_state_dict, write_snapshot
+from rlhf.models.batch import pad_right
 
 # --- sampling ----------------------------------------------------------------------------------------------
+
 
 def request_seed(seed: int, batch: int, prompt: int, k: int) -> int:
     """Seed of prompt `prompt` of batch `batch`; vLLM seeds its K samples seed, seed+1, ..., seed+K-1."""
@@ -143,12 +114,22 @@ def _environment(**values: str):
 
 # --- the engine --------------------------------------------------------------------------------------------
 
+
 class VLLMEngine:
     """A vLLM engine built once per run; samples each batch at `receive()` with the last loaded weights."""
 
     lookahead = 0
 
-    def __init__(self, model_folder: Path, eos_token_id: int, pad_token_id: int, seed: int, max_model_len: int, work_dir: Path, dtype: str = "float32"):
+    def __init__(
+        self,
+        model_folder: Path,
+        eos_token_id: int,
+        pad_token_id: int,
+        seed: int,
+        max_model_len: int,
+        work_dir: Path,
+        dtype: str = "float32",
+    ):
         from vllm import LLM
 
         self.eos_token_id, self.pad_token_id, self.seed = eos_token_id, pad_token_id, seed
@@ -196,7 +177,16 @@ class VLLMEngine:
         folder = write_snapshot(snapshot_state_dict(model), snapshot_folder(self.work_dir, version))
         written = time.perf_counter()
         self.reload(folder, version)
-        self._stats = {"timing/weight_snapshot": written - start, "timing/weight_sync_engine": time.perf_counter() - written}
+        self._stats = {
+            "timing/weight_snapshot": written - start,
+            "timing/weight_sync_engine": time.perf_counter() - written,
+        }
+
+    def weights_in_flight(self, version: int) -> dict[int, Path]:
+        return {}  # synchronous: nothing is sampled ahead
+
+    def load_snapshot(self, folder: Path, version: int) -> None:
+        raise RuntimeError("VLLMEngine is synchronous: a resume loads the current weights, not in-flight snapshots")
 
     def close(self) -> None:
         self._queue.clear()
@@ -241,28 +231,3 @@ class VLLMEngine:
             shutil.rmtree(self._snapshot, ignore_errors=True)
         self._snapshot = Path(folder)
         return time.perf_counter() - start
-
-
-def make_vllm_engine(kind: str, model_folder: Path, tokenizer, max_staleness: int, seed: int, max_model_len: int, work_dir: Path, reward=None, score: str = "always", dtype: str = "float32"):
-    """The engine for train.engine `kind`: "vllm" (colocated, lookahead 0) or "vllm_async" (own process,
-    lookahead = max_staleness >= 1). `model_folder` is a HF safetensors folder (the SFT policy) whose weights
-    are version 0; `work_dir` receives the weight snapshots (one folder per version, old ones deleted).
-    `reward` (a RewardSpec, async only) lets the engine process score batches too, `score` says which
-    (rlhf.generation.async_engine).
-    """
-    model_folder, work_dir = Path(model_folder), Path(work_dir)
-    if not (model_folder / "config.json").is_file():
-        raise FileNotFoundError(f"{model_folder / 'config.json'}: missing; the vLLM engine needs a saved HF model folder")
-    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
-        raise ValueError(f"the tokenizer needs eos and pad tokens for vLLM generation (eos={tokenizer.eos_token_id}, pad={tokenizer.pad_token_id})")
-    work_dir.mkdir(parents=True, exist_ok=True)
-    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if kind == "vllm":
-        return VLLMEngine(model_folder, seed=seed, max_model_len=max_model_len, work_dir=work_dir, dtype=dtype, **ids)
-    if kind == "vllm_async":
-        from rlhf.generation.async_engine import AsyncEngine
-
-        if max_staleness < 1:
-            raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
-        return AsyncEngine(model_folder, max_staleness=max_staleness, seed=seed, max_model_len=max_model_len, work_dir=work_dir, reward=reward, score=score, dtype=dtype, **ids)
-    raise ValueError(f"train.engine: unknown vLLM engine {kind!r} (expected 'vllm' or 'vllm_async')")

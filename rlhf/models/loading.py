@@ -35,7 +35,10 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # torch.save / pickl
 
 # --- tokenizers ------------------------------------------------------------------------------------------
 
-def load_tokenizer(folder_or_id: str | Path, padding_side: str = "left", *, hub: bool = False) -> PreTrainedTokenizerBase:
+
+def load_tokenizer(
+    folder_or_id: str | Path, padding_side: str = "left", *, hub: bool = False
+) -> PreTrainedTokenizerBase:
     """AutoTokenizer from a local folder (or a hub id when hub=True), with `padding_side` set and a pad token.
 
     transformers 5 does not reliably keep padding_side in a saved tokenizer, so it is passed on every load.
@@ -54,7 +57,10 @@ def load_tokenizer(folder_or_id: str | Path, padding_side: str = "left", *, hub:
 
 # --- causal LMs ------------------------------------------------------------------------------------------
 
-def load_causal_lm(folder_or_id: str | Path, dtype: torch.dtype = torch.float32, *, hub: bool = False) -> PreTrainedModel:
+
+def load_causal_lm(
+    folder_or_id: str | Path, dtype: torch.dtype = torch.float32, *, hub: bool = False
+) -> PreTrainedModel:
     """A causal LM from a local safetensors folder (or a hub id when hub=True), in eval mode, dropout 0.
 
     Raises FileNotFoundError naming the folder when it is missing, or naming config.json / model.safetensors
@@ -99,7 +105,9 @@ def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, padding_side="left", trust_remote_code=False)
     if tokenizer.pad_token is None:  # same reasoning as load_tokenizer
         tokenizer.pad_token = tokenizer.eos_token
-    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False)
+    gguf_model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False
+    )
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -141,10 +149,17 @@ def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
 
 # --- reward models and value heads -----------------------------------------------------------------------
 
-def load_reward_model(folder: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A saved scalar reward model (AutoModelForSequenceClassification, num_labels=1), eval mode, dropout 0."""
-    folder = _checked_model_folder(folder)
-    model = _from_pretrained(AutoModelForSequenceClassification, folder, dtype=dtype, num_labels=1)
+
+def load_reward_model(folder_or_id: str | Path, dtype: torch.dtype = torch.float32, *, hub: bool = False):
+    """A saved scalar reward model (AutoModelForSequenceClassification, num_labels=1) from a local folder (or a hub
+    id when hub=True), eval mode, dropout 0."""
+    if hub:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(folder_or_id), dtype=dtype, num_labels=1, **_SAFE
+        )
+    else:
+        folder = _checked_model_folder(folder_or_id)
+        model = _from_pretrained(AutoModelForSequenceClassification, folder, dtype=dtype, num_labels=1)
     return disable_dropout(model).eval()
 
 
@@ -156,37 +171,22 @@ def reward_model_from_causal(folder: str | Path, seed: int = 0, dtype: torch.dty
     output reads the rightmost token that is not pad, so pad must be defined (and, with pad == eos as in
     SmolLM2, a trailing EOS is skipped: score tokens by position instead, as below).
 
-    Outputs, for input_ids/attention_mask of shape (B, T):
-      - one scalar per sequence: `model(input_ids, attention_mask=mask).logits[:, 0]` -> (B,), read at the
-        rightmost non-pad token (so with pad == eos, prefer token_values at an explicit position)
-      - one value per token (the PPO value head):
-            backbone = getattr(model, model.base_model_prefix)     # model.model for Llama, .gpt_neox for NeoX
-            hidden = backbone(input_ids, attention_mask=mask).last_hidden_state   # (B, T, H)
-            values = model.score(hidden).squeeze(-1)                             # (B, T)
-        (`token_values` below does exactly this); pick the value at any position, e.g. the last response token.
+    Read it with rlhf.models.forward: `scalar_head` gives one value per position (n, L) (the PPO value head),
+    `sequence_scores` the score at an explicit position (the last real response token).
     """
     folder = _checked_model_folder(folder)
     tokenizer = load_tokenizer(folder)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = _from_pretrained(AutoModelForSequenceClassification, folder, dtype=dtype, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+        model = _from_pretrained(
+            AutoModelForSequenceClassification, folder, dtype=dtype, num_labels=1, pad_token_id=tokenizer.pad_token_id
+        )
     model.config.pad_token_id = tokenizer.pad_token_id
     return disable_dropout(model).eval()
 
 
-def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token scalar outputs of a sequence-classification model: score(last_hidden_state), shape (B, T).
-
-    Position ids count real tokens only (left padding does not shift them). Rotary models (Llama, GPT-NeoX)
-    are shift-invariant anyway; absolute-position models (GPT-2) are not, so this keeps both right.
-    """
-    backbone = getattr(model, model.base_model_prefix)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-    return model.score(hidden).squeeze(-1)
-
-
 # --- folder checks ---------------------------------------------------------------------------------------
+
 
 def _existing_folder(folder: str | Path) -> Path:
     folder = Path(folder)
@@ -212,8 +212,12 @@ def _checked_model_folder(folder: str | Path) -> Path:
     if not files:
         pickled = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickled:  # name what was found, so the fix (convert it) is obvious; it is never opened
-            raise FileNotFoundError(f"{pickled[0]}: pickle weights are not loaded (unpickling runs code); convert {folder} to safetensors")
-        raise FileNotFoundError(f"{folder / 'model.safetensors'}: no safetensors weights in {folder} (only safetensors are loaded)")
+            raise FileNotFoundError(
+                f"{pickled[0]}: pickle weights are not loaded (unpickling runs code); convert {folder} to safetensors"
+            )
+        raise FileNotFoundError(
+            f"{folder / 'model.safetensors'}: no safetensors weights in {folder} (only safetensors are loaded)"
+        )
     for file in files:
         _check_safetensors(file)
     return folder
@@ -229,7 +233,9 @@ def _check_safetensors(file: Path) -> None:
             if keys:  # touching one tensor maps the data; size mismatches were already caught at open
                 handle.get_slice(keys[0])
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{file}: truncated or corrupt safetensors file ({e}); re-run the stage that wrote it") from None
+        raise ValueError(
+            f"{file}: truncated or corrupt safetensors file ({e}); re-run the stage that wrote it"
+        ) from None
 
 
 def _from_pretrained(auto_cls, folder: Path, **kwargs) -> PreTrainedModel:

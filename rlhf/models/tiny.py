@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
 
 from rlhf.config import ModelConfig
 
@@ -41,7 +48,9 @@ def train_word_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokeniz
     # WordPiece's decoder joins tokens with spaces; cleanup glues punctuation back ("movie ." -> "movie.").
     # No token starts with "##" (the pre-tokenizer never produces one), so the prefix never fires.
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    trainer = trainers.WordLevelTrainer(
+        vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS, show_progress=False
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -63,7 +72,9 @@ def build_tiny_model(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast,
     For the vLLM engines, head_dim = hidden_size / num_heads must be one that vLLM's CPU attention supports
     (32, 64, 80, 96, 112, 128, ...; 16 fails at engine start): the defaults 128 / 4 = 32 do.
     """
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=model_cfg.hidden_size,

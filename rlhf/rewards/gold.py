@@ -39,7 +39,13 @@ WEIGHTS = "weights.safetensors"
 REPETITION_WINDOW = 32
 _WORD = re.compile(r"\w+(?:'\w+)?")
 # Vectorizer settings fixed here (not tuned per run); sublinear tf damps a word repeated many times.
-_VECTORIZER = {"lowercase": True, "token_pattern": r"(?u)\b\w\w+\b", "sublinear_tf": True, "norm": "l2", "smooth_idf": True}
+_VECTORIZER = {
+    "lowercase": True,
+    "token_pattern": r"(?u)\b\w\w+\b",
+    "sublinear_tf": True,
+    "norm": "l2",
+    "smooth_idf": True,
+}
 
 
 def distinct_ratio(text: str, window: int = REPETITION_WINDOW) -> float:
@@ -85,7 +91,9 @@ class GoldJudge:
             raise ValueError(f"GoldJudge.fit: labels must contain both 0 and 1, got {sorted(set(labels.tolist()))}")
         vectorizer = TfidfVectorizer(ngram_range=(1, cfg.ngram_max), min_df=cfg.min_df, dtype=np.float64, **_VECTORIZER)
         features = vectorizer.fit_transform(texts)
-        model = LogisticRegression(C=cfg.c, max_iter=2000, solver="liblinear", random_state=0)  # fixed: same data -> same bytes
+        model = LogisticRegression(
+            C=cfg.c, max_iter=2000, solver="liblinear", random_state=0
+        )  # fixed: same data -> same bytes
         model.fit(features, labels)
         return cls(vectorizer, model.coef_[0].astype(np.float64), float(model.intercept_[0]), cfg.repetition_floor)
 
@@ -137,7 +145,12 @@ class GoldJudge:
             idf, coef, intercept = weights["idf"], weights["coef"], weights["intercept"]
             if not (len(vocabulary) == idf.shape[0] == coef.shape[0]) or intercept.shape != (1,):
                 raise ValueError(f"sizes disagree: vocabulary {len(vocabulary)}, idf {idf.shape}, coef {coef.shape}")
-            vectorizer = TfidfVectorizer(ngram_range=tuple(settings["ngram_range"]), vocabulary=vocabulary, dtype=np.float64, **settings["vectorizer"])
+            vectorizer = TfidfVectorizer(
+                ngram_range=tuple(settings["ngram_range"]),
+                vocabulary=vocabulary,
+                dtype=np.float64,
+                **settings["vectorizer"],
+            )
             vectorizer.idf_ = idf
         except (ValueError, KeyError, TypeError, OSError, SafetensorError) as e:  # JSONDecodeError is a ValueError
             raise DataError(f"gold judge in {folder} is corrupt ({type(e).__name__}: {e}); {hint}") from None

@@ -39,6 +39,8 @@ def run(cfg: Config) -> dict:
     }
     write_json(cfg.path("metrics", "gold.json"), metrics)
     by_source = ", ".join(f"{s} {a:.3f}" for s, a in metrics["accuracy_by_source"].items())
-    print(f"gold: held-out accuracy {metrics['accuracy']:.3f} ({by_source}) on {len(test)} texts; "
-          f"fitted on {len(train)} in {fit_seconds:.1f}s -> {cfg.path('gold')}")
+    print(
+        f"gold: held-out accuracy {metrics['accuracy']:.3f} ({by_source}) on {len(test)} texts; "
+        f"fitted on {len(train)} in {fit_seconds:.1f}s -> {cfg.path('gold')}"
+    )
     return metrics

@@ -24,10 +24,17 @@ def _reviews_splits(cfg: Config) -> tuple[dict[str, pd.DataFrame], dict]:
     splits = reviews.build_splits(raw, cfg.data, cfg.seed)
     # Prompts keep the review id, so the sentiment of the review each prompt opens can be reported:
     # RL should make continuations positive starting from a mix, not from already-positive openings.
-    positive = {name: reviews.positive_fraction(raw, splits[name]["prompt_id"]) for name in ("reward_prompts", "rl_prompts", "eval_prompts")}
+    positive = {
+        name: reviews.positive_fraction(raw, splits[name]["prompt_id"])
+        for name in ("reward_prompts", "rl_prompts", "eval_prompts")
+    }
     # name + content hash, not the absolute path: the metrics file must not change from machine to machine
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-    info = {"source_file": f"{path.name} (sha256 {digest})", "reviews_after_cleaning": len(raw), "prompt_source_positive_fraction": positive}
+    info = {
+        "source_file": f"{path.name} (sha256 {digest})",
+        "reviews_after_cleaning": len(raw),
+        "prompt_source_positive_fraction": positive,
+    }
     return splits, info
 
 

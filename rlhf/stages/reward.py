@@ -10,49 +10,49 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from rlhf.algorithms.common import truncate_after_eos
+from rlhf import runtime
 from rlhf.config import Config
-from rlhf.generation.base import SamplingParams, pad_left
-from rlhf.generation.hf import HFEngine
+from rlhf.generation.base import SamplingParams
+from rlhf.generation.sampling import sample
 from rlhf.io import atomic_dir, write_json
-from rlhf.trainers.forward import attention_and_positions, sequence_scores
+from rlhf.models.batch import attention_and_positions, pad_left, pad_right
+from rlhf.models.forward import sequence_scores
 
 
-def sample_pairs(cfg: Config, policy, tokenizer, prompts: list[str], chunk: int = 64) -> pd.DataFrame:
+def sample_pairs(cfg: Config, policy, tokenizer, prompts: list[str], device, chunk: int = 64) -> pd.DataFrame:
     """Two SFT samples per prompt, decoded up to their first EOS (kept as token ids too, for training)."""
-    engine = HFEngine(policy, tokenizer.pad_token_id, tokenizer.eos_token_id)
     params = SamplingParams(k=2, max_new_tokens=cfg.reward.response_length, temperature=cfg.reward.temperature)
     rows = []
-    for i in tqdm(range(0, len(prompts), chunk), desc="reward: sampling pairs"):
-        batch = prompts[i : i + chunk]
-        engine.submit(tokenizer(batch)["input_ids"], params)
-        tokens, mask, _ = truncate_after_eos(engine.receive().responses, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(tokens.masked_fill(~mask, tokenizer.pad_token_id), skip_special_tokens=True)
-        ids = [row[m].tolist() for row, m in zip(tokens, mask)]
-        for j, prompt in enumerate(batch):
-            rows.append({"prompt": prompt, "a": texts[2 * j], "b": texts[2 * j + 1], "a_ids": ids[2 * j], "b_ids": ids[2 * j + 1]})
-    return pd.DataFrame(rows)
+    for s in sample(policy, tokenizer, prompts, params, chunk, device, desc="reward: sampling pairs"):
+        ids, texts = s.batch.response_ids(), s.texts
+        for j in range(len(texts) // 2):
+            a, b = 2 * j, 2 * j + 1
+            rows.append({"a": texts[a], "b": texts[b], "a_ids": ids[a], "b_ids": ids[b]})
+    return pd.DataFrame([{"prompt": p, **row} for p, row in zip(prompts, rows)])
 
 
 def label_with_gold(pairs: pd.DataFrame, judge, min_margin: float) -> pd.DataFrame:
     """The paper's relabelling: chosen = the response gold prefers; near-ties are dropped, not guessed."""
     ga, gb = judge.score(list(pairs["a"])), judge.score(list(pairs["b"]))
     a_wins = ga >= gb
-    out = pd.DataFrame({
-        "prompt": pairs["prompt"],
-        "chosen": pairs["a"].where(a_wins, pairs["b"]),
-        "rejected": pairs["b"].where(a_wins, pairs["a"]),
-        "chosen_gold": pd.Series(ga).where(a_wins, gb).astype(float),
-        "rejected_gold": pd.Series(gb).where(a_wins, ga).astype(float),
-        "chosen_ids": pairs["a_ids"].where(a_wins, pairs["b_ids"]),
-        "rejected_ids": pairs["b_ids"].where(a_wins, pairs["a_ids"]),
-    })
+    out = pd.DataFrame(
+        {
+            "prompt": pairs["prompt"],
+            "chosen": pairs["a"].where(a_wins, pairs["b"]),
+            "rejected": pairs["b"].where(a_wins, pairs["a"]),
+            "chosen_gold": pd.Series(ga).where(a_wins, gb).astype(float),
+            "rejected_gold": pd.Series(gb).where(a_wins, ga).astype(float),
+            "chosen_ids": pairs["a_ids"].where(a_wins, pairs["b_ids"]),
+            "rejected_ids": pairs["b_ids"].where(a_wins, pairs["a_ids"]),
+        }
+    )
     keep = (out["chosen_gold"] - out["rejected_gold"]) > min_margin
     return out[keep].reset_index(drop=True)
 
@@ -62,28 +62,27 @@ def _pair_scores(model, tokenizer, df: pd.DataFrame, device) -> tuple[torch.Tens
     prompt_ids, prompt_mask = pad_left(tokenizer(list(df["prompt"]))["input_ids"] * 2, tokenizer.pad_token_id)
     responses = list(df["chosen_ids"]) + list(df["rejected_ids"])
     width = max(1, max(len(r) for r in responses))
-    resp = torch.full((len(responses), width), tokenizer.pad_token_id, dtype=torch.long)
-    resp_mask = torch.zeros_like(resp, dtype=torch.bool)
-    for i, r in enumerate(responses):
-        resp[i, : len(r)], resp_mask[i, : len(r)] = torch.tensor(r, dtype=torch.long), True
+    resp = pad_right(responses, width, tokenizer.pad_token_id)
+    lengths = torch.tensor([len(r) for r in responses], device="cpu")  # I/O: from Python lists
+    resp_mask = torch.arange(width, device="cpu")[None, :] < lengths[:, None]
     attn, positions = attention_and_positions(prompt_mask, resp_mask)
-    seq = torch.cat([prompt_ids, resp], 1)
-    last = (resp_mask.sum(1) - 1).clamp(min=0)
-    scores = sequence_scores(model, seq.to(device), attn.to(device), positions.to(device), prompt_ids.shape[1], last.to(device))
+    seq, attn, positions = (t.to(device) for t in (torch.cat([prompt_ids, resp], 1), attn, positions))
+    last = (lengths - 1).clamp(min=0).to(device)
+    scores = sequence_scores(model, seq, attn, positions, prompt_ids.shape[1], last)
     return scores[: len(df)], scores[len(df) :]
 
 
 @torch.no_grad()
-def agreement(model, tokenizer, df: pd.DataFrame, batch_size: int) -> float:
+def agreement(model, tokenizer, df: pd.DataFrame, batch_size: int, device) -> float:
     model.eval()
     wins = []
     for i in range(0, len(df), batch_size):
-        chosen, rejected = _pair_scores(model, tokenizer, df.iloc[i : i + batch_size], "cpu")
+        chosen, rejected = _pair_scores(model, tokenizer, df.iloc[i : i + batch_size], device)
         wins.append((chosen > rejected).float())
     return float(torch.cat(wins).mean()) if wins else float("nan")
 
 
-def train_reward_model(cfg: Config, model, tokenizer, train_df: pd.DataFrame) -> float:
+def train_reward_model(cfg: Config, model, tokenizer, train_df: pd.DataFrame, device) -> float:
     """Bradley-Terry: minimise -log sigmoid(r_chosen - r_rejected). Returns the last epoch's mean loss."""
     rc = cfg.reward
     steps_per_epoch = math.ceil(len(train_df) / rc.batch_size)
@@ -98,7 +97,7 @@ def train_reward_model(cfg: Config, model, tokenizer, train_df: pd.DataFrame) ->
         if step % steps_per_epoch == 0:
             order = torch.randperm(len(train_df), generator=gen).tolist()
         idx = order[(step % steps_per_epoch) * rc.batch_size : (step % steps_per_epoch + 1) * rc.batch_size]
-        chosen, rejected = _pair_scores(model, tokenizer, train_df.iloc[idx], "cpu")
+        chosen, rejected = _pair_scores(model, tokenizer, train_df.iloc[idx], device)
         loss = -F.logsigmoid(chosen - rejected).mean()
         if not torch.isfinite(loss):
             raise RuntimeError(f"reward model loss became {loss.item()} at step {step}; nothing was saved")
@@ -115,7 +114,13 @@ def train_reward_model(cfg: Config, model, tokenizer, train_df: pd.DataFrame) ->
 def run(cfg: Config) -> dict:
     from rlhf.data.schemas import PreferencePairs, Prompts, validate
     from rlhf.data.splits import load_split, save_splits
-    from rlhf.models.loading import load_causal_lm, load_tokenizer, reward_model_from_causal, save_pretrained
+    from rlhf.models.loading import (
+        load_causal_lm,
+        load_reward_model,
+        load_tokenizer,
+        reward_model_from_causal,
+        save_pretrained,
+    )
     from rlhf.rewards.gold import GoldJudge
 
     start = time.perf_counter()
@@ -123,24 +128,35 @@ def run(cfg: Config) -> dict:
     judge = GoldJudge.load(cfg.path("gold"))
     tokenizer = load_tokenizer(cfg.path("sft"))
     prompts = list(load_split(cfg.path("prepared"), "reward_prompts", Prompts)["prompt"])
-    pairs = label_with_gold(sample_pairs(cfg, load_causal_lm(cfg.path("sft")), tokenizer, prompts), judge, cfg.reward.min_gold_margin)
+    if cfg.reward.pretrained:  # nothing to train: pairs only to measure its agreement with gold
+        prompts = prompts[: max(4, int(len(prompts) * cfg.reward.eval_fraction))]
+    device = runtime.device()
+    policy = load_causal_lm(cfg.path("sft")).to(device)
+    pairs = label_with_gold(sample_pairs(cfg, policy, tokenizer, prompts, device), judge, cfg.reward.min_gold_margin)
     if len(pairs) < 4:
         raise ValueError(f"reward: only {len(pairs)} pairs with a gold preference; raise data.n_reward_prompts")
-    n_test = max(2, int(len(pairs) * cfg.reward.eval_fraction))
+    n_test = len(pairs) if cfg.reward.pretrained else max(2, int(len(pairs) * cfg.reward.eval_fraction))
     test_df, train_df = pairs.iloc[:n_test], pairs.iloc[n_test:]
-    model = reward_model_from_causal(cfg.path("sft"))
-    final_loss = train_reward_model(cfg, model, tokenizer, train_df)
+    if cfg.reward.pretrained:
+        model = load_reward_model(cfg.reward.pretrained, hub=not Path(cfg.reward.pretrained).is_dir()).to(device)
+        trained = {"pretrained": cfg.reward.pretrained}
+    else:
+        model = reward_model_from_causal(cfg.path("sft")).to(device)
+        trained = {
+            "train_loss": train_reward_model(cfg, model, tokenizer, train_df, device),
+            "agreement_train": agreement(model, tokenizer, train_df.iloc[:512], cfg.reward.batch_size, device),
+        }
     metrics = {
         "n_pairs": len(pairs),
         "n_test": n_test,
-        "train_loss": final_loss,
-        "agreement_train": agreement(model, tokenizer, train_df.iloc[:512], cfg.reward.batch_size),
-        "agreement_heldout": agreement(model, tokenizer, test_df, cfg.reward.batch_size),
+        **trained,
+        "agreement_heldout": agreement(model, tokenizer, test_df, cfg.reward.batch_size, device),
         "gold_margin_mean": float((pairs["chosen_gold"] - pairs["rejected_gold"]).mean()),
         "seconds": time.perf_counter() - start,
     }
     columns = ["prompt", "chosen", "rejected", "chosen_gold", "rejected_gold"]
-    splits = {"train": train_df[columns].reset_index(drop=True), "test": test_df[columns].reset_index(drop=True)}
+    frames = {"train": train_df, "test": test_df}  # a pretrained RM has no train split
+    splits = {name: df[columns].reset_index(drop=True) for name, df in frames.items() if len(df)}
     for name, df in splits.items():
         validate(df, PreferencePairs, f"reward pairs ({name})")
     with atomic_dir(cfg.path("reward")) as tmp:

@@ -16,9 +16,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from rlhf import runtime
 from rlhf.config import Config, ConfigError, SFTConfig
 from rlhf.data.schemas import SFTExamples
 from rlhf.data.splits import load_split
+from rlhf.generation.base import SamplingParams
+from rlhf.generation.sampling import sample
 from rlhf.io import write_json
 from rlhf.models import loading, tiny
 
@@ -35,24 +38,33 @@ def run(cfg: Config) -> dict:
     train_texts, heldout_texts = split_heldout(texts, cfg.sft.heldout_texts, cfg.seed)
     model, tokenizer = _starting_point(cfg, train_texts)
     _check_length(cfg, model)
+    device = runtime.device()
+    model.to(device)
     train_seqs = encode_texts(tokenizer, train_texts, cfg.sft.max_length)
     heldout_seqs = encode_texts(tokenizer, heldout_texts, cfg.sft.max_length)
 
-    metrics: dict = {"n_params": tiny.count_parameters(model), "n_train_texts": len(train_seqs), "n_heldout_texts": len(heldout_seqs)}
+    metrics: dict = {
+        "n_params": tiny.count_parameters(model),
+        "n_train_texts": len(train_seqs),
+        "n_heldout_texts": len(heldout_seqs),
+    }
     if cfg.sft.train:
-        losses = train_causal_lm(model, train_seqs, cfg.sft, seed=cfg.seed, pad_id=tokenizer.pad_token_id)
-        tail = losses[-max(1, len(losses) // 10):]  # last 10% of steps: one step's loss is noisy
+        losses = train_causal_lm(model, train_seqs, cfg.sft, cfg.seed, tokenizer.pad_token_id, device)
+        tail = losses[-max(1, len(losses) // 10) :]  # last 10% of steps: one step's loss is noisy
         metrics.update(steps=len(losses), train_loss_initial=losses[0], train_loss=sum(tail) / len(tail))
         metrics["train_tokens"] = round(cfg.sft.epochs * sum(len(s) for s in train_seqs))
     if heldout_seqs:
-        loss = mean_token_loss(model, heldout_seqs, cfg.sft.batch_size, tokenizer.pad_token_id)
+        loss = mean_token_loss(model, heldout_seqs, cfg.sft.batch_size, tokenizer.pad_token_id, device)
         metrics.update(heldout_loss=loss, heldout_perplexity=math.exp(min(loss, 50.0)))
 
     loading.save_pretrained(model, tokenizer, cfg.path("sft"))
     metrics["seconds"] = round(time.perf_counter() - start, 1)
     write_json(cfg.path("metrics", "sft.json"), metrics)
     prompts = [" ".join(t.split()[:SAMPLE_PROMPT_WORDS]) for t in (heldout_texts or train_texts)[:3]]
-    for prompt, text in zip(prompts, sample(model, tokenizer, prompts, max_new_tokens=24, seed=cfg.seed)):
+    with torch.random.fork_rng(devices=[]):  # a look at the policy that leaves the RNG as it was
+        torch.manual_seed(cfg.seed)
+        [looked] = sample(model, tokenizer, prompts, SamplingParams(1, 24, 0.7), len(prompts), device)
+    for prompt, text in zip(prompts, looked.texts):
         print(f"sft sample: {prompt} || {text}")
     return metrics
 
@@ -60,22 +72,30 @@ def run(cfg: Config) -> dict:
 def _starting_point(cfg: Config, train_texts: list[str]):
     if cfg.model.source == "tiny":
         if not cfg.sft.train:
-            raise ConfigError("sft.train=false with model.source=tiny would save an untrained random model; set sft.train=true")
+            raise ConfigError(
+                "sft.train=false with model.source=tiny would save an untrained random model; set sft.train=true"
+            )
         tokenizer = tiny.train_word_tokenizer(train_texts, cfg.model.vocab_size)
         return tiny.build_tiny_model(cfg.model, tokenizer, cfg.seed), tokenizer
     model, tokenizer = loading.load_policy(cfg.model)
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"model {cfg.model.source} {cfg.model.path or ''}: tokenizer has no EOS token; the policy could not learn to stop")
+        raise ValueError(
+            f"model {cfg.model.source} {cfg.model.path or ''}: tokenizer has no EOS token; the policy could not "
+            f"learn to stop"
+        )
     return model, tokenizer
 
 
 def _check_length(cfg: Config, model) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.sft.max_length > limit:
-        raise ConfigError(f"sft.max_length ({cfg.sft.max_length}) exceeds the model's max_position_embeddings ({limit})")
+        raise ConfigError(
+            f"sft.max_length ({cfg.sft.max_length}) exceeds the model's max_position_embeddings ({limit})"
+        )
 
 
 # --- data ------------------------------------------------------------------------------------------------
+
 
 def split_heldout(texts: list[str], n_heldout: int, seed: int) -> tuple[list[str], list[str]]:
     """Seeded shuffle, then (train, heldout) with heldout = min(n_heldout, len // 5) texts."""
@@ -132,7 +152,8 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
 
 # --- training --------------------------------------------------------------------------------------------
 
-def train_causal_lm(model, seqs: list[list[int]], sft: SFTConfig, seed: int, pad_id: int) -> list[float]:
+
+def train_causal_lm(model, seqs: list[list[int]], sft: SFTConfig, seed: int, pad_id: int, device) -> list[float]:
     """Causal-LM training in place (AdamW, warmup + cosine, grad clip 1.0). Returns the loss of every step.
 
     Raises FloatingPointError as soon as a loss is not finite (the caller then saves nothing).
@@ -149,7 +170,7 @@ def train_causal_lm(model, seqs: list[list[int]], sft: SFTConfig, seed: int, pad
     with torch.random.fork_rng(devices=[]), tqdm(total=len(batches), desc="sft", unit="step", mininterval=2.0) as bar:
         torch.manual_seed(seed)
         for step, batch in enumerate(batches):
-            input_ids, mask, labels = collate([seqs[i] for i in batch], pad_id)
+            input_ids, mask, labels = (t.to(device) for t in collate([seqs[i] for i in batch], pad_id))
             loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
             if not torch.isfinite(loss):
                 raise FloatingPointError(
@@ -170,31 +191,19 @@ def train_causal_lm(model, seqs: list[list[int]], sft: SFTConfig, seed: int, pad
 
 
 @torch.no_grad()
-def mean_token_loss(model, seqs: list[list[int]], batch_size: int, pad_id: int) -> float:
+def mean_token_loss(model, seqs: list[list[int]], batch_size: int, pad_id: int, device) -> float:
     """Mean next-token cross-entropy over all predicted tokens of `seqs` (token-weighted, not batch-weighted)."""
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(seqs), batch_size):
-        input_ids, mask, labels = collate(seqs[i : i + batch_size], pad_id)
+        input_ids, mask, labels = (t.to(device) for t in collate(seqs[i : i + batch_size], pad_id))
         logits = model(input_ids=input_ids, attention_mask=mask).logits
         targets = labels[:, 1:]
-        total += F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE, reduction="sum").item()
+        total += F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE, reduction="sum"
+        ).item()
         count += int((targets != IGNORE).sum())
     loss = total / max(1, count)
     if not math.isfinite(loss):
         raise FloatingPointError(f"sft: held-out loss is {loss}; the trained model is unusable, nothing was saved")
     return loss
-
-
-@torch.no_grad()
-def sample(model, tokenizer, prompts: list[str], max_new_tokens: int, seed: int, temperature: float = 0.7) -> list[str]:
-    """Sampled continuations of `prompts` (for a look at the policy; the pipeline's generation is elsewhere)."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        out = model.generate(
-            **enc, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        )
-    new = out[:, enc["input_ids"].shape[1]:]
-    return [tokenizer.decode(row, skip_special_tokens=False).replace(tokenizer.pad_token, "").strip() for row in new]

@@ -1,4 +1,4 @@
-"""Stage `train`: online RL with the trainer preset named by train.trainer (see rlhf/trainers/presets.py)."""
+"""Stage `train`: online RL with the trainer preset named by train.trainer (rlhf/presets.py lists them)."""
 
 from __future__ import annotations
 
@@ -10,5 +10,10 @@ def run(cfg: Config) -> dict:
 
     final = train(cfg)
     if final:
-        print(f"train [{cfg.train.trainer}]: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(final.items()) if k.startswith(("first/", "final/objective/"))))
+        print(
+            f"train [{cfg.train.trainer}]: "
+            + ", ".join(
+                f"{k}={v:.4g}" for k, v in sorted(final.items()) if k.startswith(("first/", "final/objective/"))
+            )
+        )
     return final

@@ -37,8 +37,14 @@ def latest(folder: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
 
 
-def save(accelerator, folder: Path, state: LoopState, rank_state: dict, extra_files: dict[str, str] | None = None,
-         extra_dirs: dict[str, Path] | None = None) -> Path:
+def save(
+    accelerator,
+    folder: Path,
+    state: LoopState,
+    rank_state: dict,
+    extra_files: dict[str, str] | None = None,
+    extra_dirs: dict[str, Path] | None = None,
+) -> Path:
     """accelerate's save_state (model/optimizer/scheduler/RNG, DeepSpeed-aware) + our loop state, atomically.
 
     rank_state: this process's own state (every rank saves one); extra_files: name -> text; extra_dirs:
@@ -69,7 +75,11 @@ def save(accelerator, folder: Path, state: LoopState, rank_state: dict, extra_fi
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
             cause = "disk full" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-            raise OSError(e.errno, f"checkpoint {final} not written ({cause}); its partial folder was removed, the checkpoints already in {folder} are intact") from e
+            raise OSError(
+                e.errno,
+                f"checkpoint {final} not written ({cause}); its partial folder was removed, the checkpoints already "
+                f"in {folder} are intact",
+            ) from e
         raise
     accelerator.wait_for_everyone()
     return final

@@ -9,13 +9,14 @@ Every objective has the same two calls, so the loop never branches on an algorit
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from rlhf.algorithms import bok, dpo, grpo, ppo, rloo
 from rlhf.algorithms.common import kl_penalty, masked_mean, masked_whiten
 from rlhf.config import TrainConfig
-from rlhf.trainers.forward import response_logprobs, response_logprobs_and_values
+from rlhf.models.forward import response_logprobs, response_logprobs_and_values
 
 
 @dataclass
@@ -45,6 +46,15 @@ class Rollout:
         """Reshape (N, ...) tensors to (B, K, ...) so micro-batches select whole prompts."""
         base = {"sequences": self.sequences, "attn": self.attn, "positions": self.positions, "mask": self.response_mask}
         return {name: t.view(-1, self.k, *t.shape[1:]) for name, t in {**base, **tensors}.items()}
+
+
+class Objective(Protocol):
+    needs_values: bool  # PPO: the model is a policy + value wrapper and the rollout carries values
+    needs_behaviour_logprobs: bool  # the loss uses them (ratios); else they are only reported
+
+    def prepare(self, rollout: Rollout) -> tuple[dict[str, torch.Tensor], dict[str, float]]: ...
+
+    def loss(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
 def _named(prefix: str, stats: dict) -> dict[str, float]:
@@ -87,7 +97,9 @@ class PPO:
         return groups, stats
 
     def loss(self, model, mb):
-        seq, attn, pos, mask, old_logp, old_values, adv, ret = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp", "old_values", "advantages", "returns")
+        seq, attn, pos, mask, old_logp, old_values, adv, ret = _flat(
+            mb, "sequences", "attn", "positions", "mask", "old_logp", "old_values", "advantages", "returns"
+        )
         context = seq.shape[1] - mask.shape[1]
         logp, values = response_logprobs_and_values(model, seq, attn, pos, context, self.cfg.temperature)
         pg_loss, pg_stats = ppo.policy_loss(logp, old_logp, adv, mask, self.cfg.cliprange)
@@ -95,7 +107,14 @@ class PPO:
         var_ret = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
         explained = 1 - masked_mean((ret - values.detach()) ** 2, mask) / (var_ret + 1e-8)
         stats = _named("policy", pg_stats)
-        stats.update({"loss/policy": pg_loss.item(), "loss/value": vf_loss.item(), "val/clipfrac": float(vf_stats["clipfrac"]), "val/explained_variance": explained.item()})
+        stats.update(
+            {
+                "loss/policy": pg_loss.item(),
+                "loss/value": vf_loss.item(),
+                "val/clipfrac": float(vf_stats["clipfrac"]),
+                "val/explained_variance": explained.item(),
+            }
+        )
         return pg_loss + self.cfg.vf_coef * vf_loss, stats
 
 
@@ -113,8 +132,10 @@ class RLOO:
         return groups, stats
 
     def loss(self, model, mb):
-        seq, attn, pos, mask, old_sum, adv = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp_sum", "advantages")
-        logp, _ = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        seq, attn, pos, mask, old_sum, adv = _flat(
+            mb, "sequences", "attn", "positions", "mask", "old_logp_sum", "advantages"
+        )
+        logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
         loss, stats = rloo.sequence_policy_loss((logp * mask).sum(1), old_sum, adv, self.cfg.cliprange)
         return loss, {**_named("policy", stats), "loss/policy": loss.item()}
 
@@ -132,8 +153,10 @@ class GRPO:
         return groups, stats
 
     def loss(self, model, mb):
-        seq, attn, pos, mask, old_logp, ref_logp, adv = _flat(mb, "sequences", "attn", "positions", "mask", "old_logp", "ref_logp", "advantages")
-        logp, _ = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        seq, attn, pos, mask, old_logp, ref_logp, adv = _flat(
+            mb, "sequences", "attn", "positions", "mask", "old_logp", "ref_logp", "advantages"
+        )
+        logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
         loss, stats = grpo.grpo_loss(logp, old_logp, ref_logp, adv, mask, self.cfg.cliprange, self.cfg.kl_coef)
         return loss, {**_named("policy", stats), "loss/policy": loss.item()}
 
@@ -141,7 +164,7 @@ class GRPO:
 def _select(mb: dict[str, torch.Tensor], name: str, index: torch.Tensor) -> torch.Tensor:
     """Row `index[b]` of group b: (B, K, ...) -> (B, ...)."""
     t = mb[name]
-    return t[torch.arange(len(t)), index]
+    return t[torch.arange(len(t), device=t.device), index]
 
 
 @dataclass
@@ -168,13 +191,23 @@ class OnlineDPO:
         for side in ("chosen", "rejected"):
             pick[side] = [_select(mb, n, mb[side]) for n in ("sequences", "attn", "positions", "mask", "ref_sum")]
         seq, attn, pos, mask, ref = (torch.cat([a, b]) for a, b in zip(pick["chosen"], pick["rejected"]))
-        logp, _ = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
         sums = (logp * mask).sum(1)
         n = len(mb["valid"])
         loss, stats = dpo.dpo_loss(sums[:n], sums[n:], ref[:n], ref[n:], mb["valid"], self.cfg.beta, self.cfg.loss_type)
-        out = {"rewards/chosen": float(stats["chosen_reward"]), "rewards/rejected": float(stats["rejected_reward"]),
-               "rewards/accuracies": float(stats["accuracy"]), "rewards/margins": float(stats["margin"])}
-        out.update({"logps/chosen": sums[:n].mean().item(), "logps/rejected": sums[n:].mean().item(), "loss/policy": loss.item()})
+        out = {
+            "rewards/chosen": float(stats["chosen_reward"]),
+            "rewards/rejected": float(stats["rejected_reward"]),
+            "rewards/accuracies": float(stats["accuracy"]),
+            "rewards/margins": float(stats["margin"]),
+        }
+        out.update(
+            {
+                "logps/chosen": sums[:n].mean().item(),
+                "logps/rejected": sums[n:].mean().item(),
+                "loss/policy": loss.item(),
+            }
+        )
         return loss, out
 
 
@@ -196,9 +229,10 @@ class BestOfK:
 
     def loss(self, model, mb):
         seq, attn, pos, mask = (_select(mb, n, mb["best"]) for n in ("sequences", "attn", "positions", "mask"))
-        logp, _ = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
         loss, stats = bok.nll_loss(logp, mask, mb["valid"])
-        return loss, {"logps/chosen": (logp * mask).sum(1).mean().item(), "loss/policy": loss.item()}
+        chosen = (logp * mask).sum(1).mean().item()
+        return loss, {"logps/chosen": chosen, "loss/policy": loss.item(), "loss/nll_per_token": float(stats["nll"])}
 
 
 OBJECTIVES = {"ppo": PPO, "rloo": RLOO, "grpo": GRPO, "online_dpo": OnlineDPO, "bok": BestOfK}

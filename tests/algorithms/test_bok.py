@@ -30,9 +30,7 @@ def test_nll_is_sequence_summed_mean_over_valid_rows():
     # Row 0: p = 1/2, 1/4 then padding -> NLL ln2 + 2 ln2 = 3 ln2 (2 tokens).
     # Row 1: p = 1/2 on one token (EOS at 0)        -> NLL ln2 (1 token).
     # Row 2: invalid (tied group), NaN everywhere   -> ignored.
-    logp = torch.tensor(
-        [[-LN2, -2 * LN2, NAN], [-LN2, 123.0, NAN], [NAN, NAN, NAN]], dtype=F64, requires_grad=True
-    )
+    logp = torch.tensor([[-LN2, -2 * LN2, NAN], [-LN2, 123.0, NAN], [NAN, NAN, NAN]], dtype=F64, requires_grad=True)
     mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
     loss, stats = nll_loss(logp, mask, torch.tensor([True, True, False]))
     assert_close(loss, torch.tensor((3 * LN2 + LN2) / 2, dtype=F64))  # summed per sequence, not averaged

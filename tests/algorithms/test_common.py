@@ -7,7 +7,6 @@ from torch.testing import assert_close
 from rlhf.algorithms.common import (
     apply_missing_eos_penalty,
     as_groups,
-    entropy_from_logits,
     first_true_indices,
     kl_penalty,
     logprobs_from_logits,
@@ -124,20 +123,6 @@ def test_logprobs_gradient_flows():
     logprobs_from_logits(logits, torch.tensor([[1]]), 1.0).sum().backward()
     # d log p_1 / d z = onehot(1) - p = [-1/4, 1/4].
     assert_close(logits.grad, torch.tensor([[[-0.25, 0.25]]], dtype=F64))
-
-
-def test_entropy_from_logits_by_hand():
-    # Uniform over 4 tokens: ln 4. Logits [0, ln 3, -inf, -inf]: p = [1/4, 3/4, 0, 0], so
-    # H = -(1/4 ln 1/4 + 3/4 ln 3/4); the zero-probability tokens must add 0, not 0 * log 0 = NaN.
-    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -INF, -INF]]], dtype=F64, requires_grad=True)
-    h2 = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
-    out = entropy_from_logits(logits, 1.0)
-    assert_close(out, torch.tensor([[math.log(4.0), h2]], dtype=F64))
-    out.sum().backward()
-    assert torch.isfinite(logits.grad).all()
-    # Temperature 2 on logits [0, 2 ln 3, ...] is the same distribution as above.
-    scaled = torch.tensor([[[0.0, 2 * math.log(3.0), -INF, -INF]]], dtype=F64)
-    assert_close(entropy_from_logits(scaled, 2.0), torch.tensor([[h2]], dtype=F64))
 
 
 def test_kl_estimators_by_hand():

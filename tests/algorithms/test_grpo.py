@@ -60,8 +60,15 @@ def test_grpo_loss_clipping_active():
     # One token, A = +1, ratio 1.5 > 1.2: the clipped term -1.2 wins, so no policy gradient.
     logp = torch.tensor([[math.log(1.5)]], dtype=F64, requires_grad=True)
     zero = torch.zeros(1, 1, dtype=F64)
-    loss, stats = grpo_loss(logp, zero, logp.detach().clone(), torch.tensor([1.0], dtype=F64),
-                            torch.ones(1, 1, dtype=torch.bool), cliprange=0.2, kl_coef=0.5)
+    loss, stats = grpo_loss(
+        logp,
+        zero,
+        logp.detach().clone(),
+        torch.tensor([1.0], dtype=F64),
+        torch.ones(1, 1, dtype=torch.bool),
+        cliprange=0.2,
+        kl_coef=0.5,
+    )
     assert_close(loss, torch.tensor(-1.2, dtype=F64))  # KL term is 0 (ref = logp)
     assert_close(stats["clipfrac"], torch.tensor(1.0, dtype=F64))
     loss.backward()

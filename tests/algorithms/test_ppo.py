@@ -124,7 +124,9 @@ def test_policy_loss_clipping_active_by_hand():
     loss, stats = policy_loss(logp, old, adv, mask, cliprange=0.2)
     assert_close(loss, torch.tensor((-1.2 + 1.5 - 0.5 + 0.8) / 4, dtype=F64))
     assert_close(stats["clipfrac"], torch.tensor(2 / 4, dtype=F64))
-    assert_close(stats["approxkl"], torch.tensor(0.5 * (2 * math.log(1.5) ** 2 + 2 * math.log(0.5) ** 2) / 4, dtype=F64))
+    assert_close(
+        stats["approxkl"], torch.tensor(0.5 * (2 * math.log(1.5) ** 2 + 2 * math.log(0.5) ** 2) / 4, dtype=F64)
+    )
     assert_close(stats["ratio"], torch.tensor((1.5 + 1.5 + 0.5 + 0.5) / 4, dtype=F64))
     assert not any(v.requires_grad for v in stats.values())
     loss.backward()

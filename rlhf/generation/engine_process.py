@@ -1,0 +1,160 @@
+"""The async engine's own process: a VLLMEngine that handles the trainer's messages in order until stopped
+(the protocol is described in rlhf.generation.async_engine, the trainer's side)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhf.generation.vllm import VLLMEngine
+
+POLL_SECONDS = 0.5  # how often a waiting side checks that the other one is still alive
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engine process needs to build its VLLMEngine (picklable)."""
+
+    model_folder: str
+    eos_token_id: int
+    pad_token_id: int
+    seed: int
+    max_model_len: int
+    work_dir: str
+    reward: object = None  # a rlhf.rewards.proxy.RewardSpec: score batches in the engine process
+    dtype: str = "float32"
+
+
+def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int) -> None:
+    """Entry point of the engine process: build the VLLMEngine (and the scorer), then serve until stopped.
+
+    Errors are sent back as ("error", traceback) before the process exits with code 1.
+    """
+    _die_with_parent(parent_pid)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        os.sched_setaffinity(0, {cores[-1]})  # its own core; the trainer keeps the others
+    torch.set_num_threads(1)
+    outbox = _Sender(results)
+    try:
+        engine = VLLMEngine(
+            Path(spec.model_folder),
+            spec.eos_token_id,
+            spec.pad_token_id,
+            spec.seed,
+            spec.max_model_len,
+            Path(spec.work_dir),
+            spec.dtype,
+        )
+        scorer = _Scorer(spec) if spec.reward is not None else None
+        outbox.send(("ready", engine.start_seconds))
+        _serve(engine, scorer, inbox, outbox, stop, parent_pid)
+    except BaseException:
+        outbox.send(("error", traceback.format_exc()))
+        outbox.flush(timeout=10)
+        # Exit at once, with the code the trainer reports: vLLM lives in this process only, so there is
+        # nothing to shut down, and a normal interpreter exit (vLLM/torch teardown) can take seconds.
+        os._exit(1)
+    engine.close()
+    outbox.flush(timeout=10)
+
+
+def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> None:
+    """Handle ("weights", folder, version) and ("generate", batch, prompts, params, score) in order; each result
+    carries the seconds the engine was idle and reloading since the previous one."""
+    idle = reload = 0.0
+    while True:
+        waited = time.perf_counter()
+        msg = _next_work(inbox, stop, parent_pid)
+        idle += time.perf_counter() - waited
+        if msg is None:
+            return
+        if msg[0] == "weights":
+            _, folder, version = msg
+            reload += engine.reload(Path(folder), version, delete_previous=False)  # the trainer side deletes
+            outbox.send(("ack", version))
+        elif msg[0] == "generate":
+            _, batch, prompts, params, score = msg
+            gen = engine.generate(prompts, params, batch)
+            scored = time.perf_counter()
+            scores = scorer(prompts, gen.responses, params.k).numpy() if scorer is not None and score else None
+            scoring = time.perf_counter() - scored
+            arrays = (gen.responses.numpy(), gen.logprobs.numpy(), scores)
+            outbox.send(("result", batch, *arrays, gen.version, gen.seconds, idle, reload, scoring))
+            idle = reload = 0.0
+        else:
+            raise ValueError(f"unknown message {msg[0]!r}")
+
+
+class _Scorer:
+    """The run's reward function inside the engine process, fed exactly what the learner would feed it."""
+
+    def __init__(self, spec: EngineSpec):
+        from rlhf.models.loading import load_tokenizer
+
+        self.reward_fn = spec.reward.build()
+        self.tokenizer = load_tokenizer(Path(spec.model_folder)) if self.reward_fn.needs_texts else None
+        self.pad, self.eos = spec.pad_token_id, spec.eos_token_id
+
+    def __call__(self, prompts: list[list[int]], responses: torch.Tensor, k: int) -> torch.Tensor:
+        from rlhf.models.batch import assemble
+
+        batch = assemble(prompts, responses, k, self.pad, self.eos)
+        return self.reward_fn(batch, batch.texts(self.tokenizer) if self.tokenizer is not None else [])
+
+
+def _next_work(inbox, stop, parent_pid: int):
+    """The next message, or None when asked to stop or when the trainer is gone."""
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            return None
+        try:
+            msg = inbox.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
+        return None if msg[0] == "stop" or stop.is_set() else msg
+    return None
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when the trainer dies, so no engine outlives a killed run."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent-pid check in _next_work still ends it
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class _Sender:
+    """Sends messages to the trainer from a thread, through a bounded buffer, in order."""
+
+    def __init__(self, conn, capacity: int = 64):
+        self.conn = conn
+        self.buffer: queue.Queue = queue.Queue(maxsize=capacity)
+        self.thread = threading.Thread(target=self._run, name="rlhf-vllm-sender", daemon=True)
+        self.thread.start()
+
+    def send(self, msg: tuple) -> None:
+        self.buffer.put(msg)
+
+    def flush(self, timeout: float) -> None:
+        self.buffer.put(None)
+        self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while (msg := self.buffer.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except (BrokenPipeError, OSError):
+                return  # the trainer is gone

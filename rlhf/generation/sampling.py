@@ -1,0 +1,49 @@
+"""Sample, post-process, decode and (optionally) score, in batches: what the reward, generate and evaluate stages
+and the benchmarks do with a policy outside the training loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from rlhf.generation.base import SamplingParams
+from rlhf.generation.hf import HFEngine
+from rlhf.models.batch import ModelInput, assemble
+
+
+@dataclass
+class Sampled:
+    batch: ModelInput  # prompts + responses cut after their first EOS, (B*K, C+T), on the model's device
+    texts: list[str]  # the responses, decoded, special tokens dropped (B*K)
+    scores: torch.Tensor | None  # (B*K,) what `score` returned, before any missing-EOS penalty
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: Sequence[str] | Sequence[list[int]],
+    params: SamplingParams,
+    batch_size: int,
+    device: torch.device,
+    score: Callable[[ModelInput, list[str]], torch.Tensor] | None = None,
+    desc: str | None = None,
+) -> Iterator[Sampled]:
+    """K samples per prompt from `model` (on `device`) with HF generate (the global torch RNG: seed it first).
+
+    prompts: texts (tokenised here, as everywhere in the pipeline) or token id lists. Each batch comes back on
+    `device`. score: a reward function (rlhf.rewards.proxy) applied to each batch. desc: a progress bar's label
+    (None = no bar).
+    """
+    engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, device)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=desc is None):
+        chunk = list(prompts[i : i + batch_size])
+        ids = tokenizer(chunk)["input_ids"] if isinstance(chunk[0], str) else chunk
+        engine.submit(ids, params)
+        batch = assemble(ids, engine.receive().responses, params.k, pad, eos).to(device)
+        texts = batch.texts(tokenizer)
+        yield Sampled(batch, texts, None if score is None else score(batch, texts))

@@ -1,0 +1,82 @@
+"""The batch layout every forward pass uses: `sequences = [left-padded prompt (C) | response (T)]`, (n, C+T).
+
+Position ids come from the attention mask, so left padding does not shift positions. Rows are prompt-major:
+the K samples of prompt b are rows b*K .. b*K+K-1. Validity comes from the position of the first EOS, never
+from pad ids (pad may equal EOS, as in SmolLM2 and Pythia).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from rlhf.algorithms.common import truncate_after_eos
+
+
+def pad_right(rows: list[list[int]], length: int, pad_id: int) -> torch.Tensor:
+    """Token id lists -> (n, length) long, cut to `length` and right-padded with pad_id (on the CPU: I/O)."""
+    out = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        row = row[:length]
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
+def pad_left(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists -> ids (n, C) and a bool mask (n, C) (on the CPU: I/O)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = True
+    return ids, mask
+
+
+@dataclass
+class ModelInput:
+    """A generated batch as model input (step 3 of the loop). N = B*K rows, prompt-major."""
+
+    prompt_ids: torch.Tensor  # (B, C) left-padded prompts
+    sequences: torch.Tensor  # (N, C+T) prompt + response, pad after the response's first EOS
+    attn: torch.Tensor  # (N, C+T) long
+    positions: torch.Tensor  # (N, C+T)
+    response_mask: torch.Tensor  # (N, T) bool, EOS included
+    has_eos: torch.Tensor  # (N,) bool
+    context: int  # C
+
+    def to(self, device: torch.device | str) -> ModelInput:
+        """The same batch with every tensor on `device`."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ModelInput(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+    def texts(self, tokenizer) -> list[str]:
+        """The responses as text, special tokens dropped."""
+        responses = self.sequences[:, self.context :].masked_fill(~self.response_mask, tokenizer.pad_token_id)
+        return tokenizer.batch_decode(responses.cpu(), skip_special_tokens=True)
+
+    def response_ids(self) -> list[list[int]]:
+        """Each response's real tokens (EOS included when there is one)."""
+        responses, masks = self.sequences[:, self.context :].cpu(), self.response_mask.cpu()  # one copy, then I/O
+        return [row[mask].tolist() for row, mask in zip(responses, masks)]
+
+
+def assemble(prompts: list[list[int]], responses: torch.Tensor, k: int, pad_id: int, eos_id: int) -> ModelInput:
+    """Prompts (B token lists) + raw sampled responses (B*K, T) -> model input, responses cut after the first
+    EOS. The learner and the async engine's scorer both build their inputs here, so their scores agree.
+    The result is on the responses' device."""
+    prompt_ids, prompt_mask = (t.to(responses.device) for t in pad_left(prompts, pad_id))
+    responses, response_mask, has_eos = truncate_after_eos(responses, eos_id, pad_id)
+    attn, positions = attention_and_positions(prompt_mask.repeat_interleave(k, 0), response_mask)
+    sequences = torch.cat([prompt_ids.repeat_interleave(k, 0), responses], dim=1)
+    return ModelInput(prompt_ids, sequences, attn, positions, response_mask, has_eos, prompt_ids.shape[1])
+
+
+def attention_and_positions(
+    prompt_mask: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, C) and (n, T) bool masks -> attention mask (n, C+T) long and position ids (n, C+T)."""
+    attn = torch.cat([prompt_mask, response_mask], dim=1).long()
+    positions = (attn.cumsum(dim=1) - 1).clamp(min=0)
+    return attn, positions

@@ -1,0 +1,85 @@
+"""Forward passes over the batch layout of rlhf.models.batch: log-probs of the sampled tokens, values, rewards.
+
+Every function takes the model and tensors on the model's device and returns tensors on it. Shapes: n rows,
+C prompt columns, T response columns, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlhf.algorithms.common import logprobs_from_logits
+
+
+def response_logprobs(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attn: torch.Tensor,
+    positions: torch.Tensor,
+    context: int,
+    temperature: float,
+) -> torch.Tensor:
+    """Log-probs (n, T) of the sampled response tokens under the tempered policy softmax(logits / T)."""
+    out = model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False)
+    # the logits at positions C-1 .. C+T-2 predict the response tokens
+    return logprobs_from_logits(out.logits[:, context - 1 : -1].float(), sequences[:, context:], temperature)
+
+
+def response_logprobs_and_values(
+    wrapper: nn.Module,
+    sequences: torch.Tensor,
+    attn: torch.Tensor,
+    positions: torch.Tensor,
+    context: int,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of a PolicyAndValueWrapper: log-probs (n, T) of the response tokens and the value of the
+    state before each of them (n, T)."""
+    logits, values = wrapper(input_ids=sequences, attention_mask=attn, position_ids=positions)
+    logp = logprobs_from_logits(logits[:, context - 1 : -1].float(), sequences[:, context:], temperature)
+    return logp, values[:, context - 1 : -1]
+
+
+def scalar_head(model: nn.Module, sequences: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per-position scalar (n, L) of a sequence-classification model (backbone + `score` head)."""
+    backbone = model.base_model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False)
+    return model.score(backbone.last_hidden_state).squeeze(-1).float()
+
+
+def sequence_scores(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attn: torch.Tensor,
+    positions: torch.Tensor,
+    context: int,
+    last_index: torch.Tensor,
+) -> torch.Tensor:
+    """Reward-model score read at the last real response token (the EOS when there is one). Shape (n,)."""
+    values = scalar_head(model, sequences, attn, positions)
+    return values[torch.arange(len(values), device=values.device), context + last_index]
+
+
+class PolicyAndValueWrapper(nn.Module):
+    """Policy + value model as one module, so one optimizer (and one DeepSpeed engine) steps both.
+
+    The value model starts from the reward model (the original's choice). Only the policy is exported.
+    """
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module):
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        """-> (policy logits (n, L, V), values (n, L)); a plain tuple, which DeepSpeed's hooks walk safely."""
+        values = scalar_head(self.value_model, input_ids, attention_mask, position_ids)
+        out = self.policy(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        )
+        return out.logits, values
+
+
+def unwrap_policy(model: nn.Module) -> nn.Module:
+    """The policy inside a PolicyAndValueWrapper, or the model itself."""
+    return model.policy if isinstance(model, PolicyAndValueWrapper) else model

