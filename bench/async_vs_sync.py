@@ -1,4 +1,6 @@
-"""Online DPO three ways on the same episodes: sync HF generate, vLLM colocated, vLLM asynchronous (N=1).
+"""Online DPO on the same episodes: sync HF generate, vLLM colocated, vLLM asynchronous (N=1), and async with 2
+training processes sharing the engine (accelerate launch, ZeRO-2; on a 2-core CPU box 3 processes share 2 cores,
+so it is slower than 1 rank: the row shows that the paper's layout runs and where its time goes).
 
 Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`). Usage:
     .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [--seeds 3] [key=value ...]
@@ -11,7 +13,11 @@ two runs of 1,024 episodes are a few points from sampling alone, so sync and asy
 from __future__ import annotations
 
 import argparse
+import csv
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +25,8 @@ from common import column_sum, scratch_data, timed_train  # bench/ is sys.path[0
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = {"sync_hf": "online_dpo", "vllm_colocated": "online_dpo_single_vllm", "vllm_async": "online_dpo_vllm"}
+FIRST_SEED_ONLY = {"vllm_colocated", "vllm_async_2ranks"}
+TWO_RANKS = {"vllm_async_2ranks": "online_dpo_vllm"}  # under accelerate launch --num_processes 2
 
 
 def eval_gold(cfg, n_prompts: int = 512) -> float:
@@ -53,7 +61,11 @@ def main() -> None:
     args = ap.parse_args()
     base = load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
     per_seed = [
-        run_all(args, base + i, RUNS if i == 0 else {k: v for k, v in RUNS.items() if k != "vllm_colocated"})
+        run_all(
+            args,
+            base + i,
+            {**RUNS, **TWO_RANKS} if i == 0 else {k: v for k, v in RUNS.items() if k not in FIRST_SEED_ONLY},
+        )
         for i in range(args.seeds)
     ]
     results = per_seed[0]
@@ -68,18 +80,10 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
     results = {}
     for name, trainer in runs.items():
         data = scratch_data(ROOT / "bench" / "out" / name / "data")
-        cfg = load_config(
-            ROOT / "params.yaml",
-            args.profile,
-            [
-                f"data_dir={data}",
-                f"train.trainer={trainer}",
-                "tracking.wandb_mode=disabled",
-                f"seed={seed}",
-                *args.overrides,
-            ],
-        )
-        wall, rows = timed_train(cfg)
+        settings = [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", f"seed={seed}"]
+        cfg = load_config(ROOT / "params.yaml", args.profile, [*settings, *args.overrides])
+        settings += args.overrides
+        wall, rows = launched_train(cfg, settings, args.profile) if name in TWO_RANKS else timed_train(cfg)
         loop = column_sum(rows, "timing/step")
         results[name] = {
             "wall_seconds": wall,  # includes model loading and engine start-up
@@ -87,7 +91,9 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
             "episodes_per_second": cfg.train.total_episodes / loop,
             "generation_seconds": column_sum(rows, "timing/generation"),
             "learner_seconds": loop
-            - (column_sum(rows, "timing/wait") if name == "vllm_async" else column_sum(rows, "timing/generation")),
+            - (column_sum(rows, "timing/wait") if "async" in name else column_sum(rows, "timing/generation")),
+            "update_seconds": column_sum(rows, "timing/update"),
+            "wait_seconds": column_sum(rows, "timing/wait"),  # the learner waiting for the engine (async only)
             "final_gold": eval_gold(cfg),
             "max_staleness_seen": max(float(r["async/staleness"]) for r in rows),
         }
@@ -96,6 +102,17 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
             flush=True,
         )
     return results
+
+
+def launched_train(cfg, settings: list[str], profile: str, processes: int = 2) -> tuple[float, list[dict]]:
+    """`rlhf train` under accelerate launch (ZeRO-2) with `processes` training processes: wall seconds, rows."""
+    launch = ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml")]
+    cli = ["-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", profile, "train", *settings]
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "rlhf.runtime", *launch, "--num_processes", str(processes), *cli], check=True)
+    wall = time.perf_counter() - start
+    with open(cfg.path("plots", "train.csv")) as f:
+        return wall, list(csv.DictReader(f))
 
 
 def summarise(args, results: dict[str, dict], gaps: list[float], speedups: list[float]) -> None:
@@ -110,6 +127,8 @@ def summarise(args, results: dict[str, dict], gaps: list[float], speedups: list[
         "speedup_async_vs_sync": sync["loop_seconds"] / results["vllm_async"]["loop_seconds"],
         "speedup_colocated_vs_sync": sync["loop_seconds"] / results["vllm_colocated"]["loop_seconds"],
         "speedup_async_vs_colocated": results["vllm_colocated"]["loop_seconds"] / results["vllm_async"]["loop_seconds"],
+        "speedup_async_2ranks_vs_1rank": results["vllm_async"]["loop_seconds"]
+        / results["vllm_async_2ranks"]["loop_seconds"],
         "gold_async_minus_sync_points": statistics.mean(gaps),
         "gold_async_minus_sync_points_stderr": statistics.stdev(gaps) / len(gaps) ** 0.5
         if len(gaps) > 1
@@ -122,13 +141,12 @@ def summarise(args, results: dict[str, dict], gaps: list[float], speedups: list[
         f"\nonline DPO, profile {args.profile}, {args.seeds} seed(s) (table: the first) (torch threads: "
         f"{torch.get_num_threads()})"
     )
-    print(f"{'run':<16}{'wall s':>9}{'loop s':>9}{'eps':>8}{'gen s':>8}{'learner s':>11}{'gold':>7}{'stale':>7}")
+    header = ("run", "wall s", "loop s", "eps", "gen s", "learner s", "update s", "wait s", "gold", "stale")
+    print(f"{header[0]:<18}" + "".join(f"{h:>10}" for h in header[1:]))
     for name, r in results.items():
-        print(
-            f"{name:<16}{r['wall_seconds']:>9.1f}{r['loop_seconds']:>9.1f}{r['episodes_per_second']:>8.2f}"
-            f"{r['generation_seconds']:>8.1f}"
-            f"{r['learner_seconds']:>11.1f}{r['final_gold']:>7.3f}{r['max_staleness_seen']:>7.0f}"
-        )
+        keys = ("wall_seconds", "loop_seconds", "episodes_per_second", "generation_seconds", "learner_seconds")
+        keys += ("update_seconds", "wait_seconds", "final_gold", "max_staleness_seen")
+        print(f"{name:<18}" + "".join(f"{r[k]:>10.3f}" if k == "final_gold" else f"{r[k]:>10.1f}" for k in keys))
     for key, value in summary.items():
         print(f"{key:<34}{value:8.3f}")
     print(

@@ -48,3 +48,16 @@ def timed_train(cfg) -> tuple[float, list[dict]]:
 def column_sum(rows: list[dict], key: str) -> float:
     """Sum of a train.csv column over the run (a row without it counts 0)."""
     return sum(float(r.get(key) or 0) for r in rows)
+
+
+def smollm2_data() -> Path:
+    """prepare -> gold -> sft -> reward on the smollm2 profile, small, once (the pipeline's own stages)."""
+    from rlhf.config import load_config
+    from rlhf.stages import gold, prepare, reward, sft
+
+    folder = ROOT / ".cache" / "bench" / "smollm2-data"
+    cfg = load_config(ROOT / "params.yaml", "smollm2", [f"data_dir={folder}", "data.n_reward_prompts=128"])
+    for stage, name in ((prepare, "prepared"), (gold, "gold"), (sft, "sft"), (reward, "reward")):
+        if not (folder / name).exists():
+            stage.run(cfg)
+    return folder

@@ -14,22 +14,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-from common import ROOT, column_sum, cpu_flags, scratch_data, timed_train  # bench/ is sys.path[0]
+from common import ROOT, column_sum, cpu_flags, scratch_data, smollm2_data, timed_train  # bench/ is sys.path[0]
 
 PRECISIONS = ("fp32", "bf16")
-
-
-def smollm2_data() -> Path:
-    """prepare -> gold -> sft -> reward on the smollm2 profile, small, once (the pipeline's own stages)."""
-    from rlhf.config import load_config
-    from rlhf.stages import gold, prepare, reward, sft
-
-    folder = ROOT / ".cache" / "bench" / "smollm2-data"
-    cfg = load_config(ROOT / "params.yaml", "smollm2", [f"data_dir={folder}", "data.n_reward_prompts=128"])
-    for stage, name in ((prepare, "prepared"), (gold, "gold"), (sft, "sft"), (reward, "reward")):
-        if not (folder / name).exists():
-            stage.run(cfg)
-    return folder
 
 
 def run(profile: str, precision: str, episodes: int, data: Path, overrides: list[str]) -> dict:

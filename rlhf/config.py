@@ -165,6 +165,19 @@ class TrainConfig(_Section):
         description="vLLM engines' precision; auto = bfloat16 on a GPU, float32 on a CPU (docs/gpu.md has the "
         "measurements); the engine's log-probs then differ from the learner's in the last bits",
     )
+    engine_device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="where a vLLM engine runs: auto = the GPU after the training processes' (cuda:W) for vllm_async "
+        "when there is one, else training rank 0's device; cpu; or cuda:<i> (docs/gpu.md)",
+    )
+    engine_gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="share of the engine's GPU that vLLM takes (weights + KV cache); null = 0.9 on a GPU of its own, "
+        "0.3 on a GPU it shares with training; ignored on CPU",
+    )
     score_in_engine: Literal["auto", "always", "never"] = Field(
         "auto",
         description="vllm_async: score batches in the engine process (overlapped with training) or in the learner; "

@@ -85,6 +85,9 @@ class DeviceAudit(TorchFunctionMode):
             return torch.tensor(_BENIGN[func])
         if _is_cpu_move(func, args, kwargs) and tensors[0].is_meta:  # I/O: values leave the device
             return torch.zeros(tensors[0].shape, dtype=kwargs.get("dtype", tensors[0].dtype))
+        if func is torch.Tensor.copy_ and args[0].device.type == "cpu" and args[1].is_meta:  # into host memory
+            with torch.no_grad():
+                return args[0].zero_()
         if func in _INDEXING:  # CUDA takes CPU integer/bool index tensors into a device tensor
             tensors = tensors[:1] + [t for t in tensors[1:] if not (t.device.type == "cpu" and t.dtype in _INDEX)]
         devices = {t.device.type for t in tensors if not (t.device.type == "cpu" and t.dim() == 0)}

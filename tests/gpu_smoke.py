@@ -1,7 +1,8 @@
 """`make gpu-smoke`: the GPU paths, run on a machine that has them (none of this project's machines does).
 
 The `ci` profile end to end on CUDA: the data stages, every trainer preset with each engine, bf16 mixed precision,
-gradient checkpointing, ZeRO-2/3 and DDP on two GPUs when there are two, then generate and evaluate. One line per
+gradient checkpointing, ZeRO-2/3 and DDP on two GPUs when there are two, the async engine on a GPU of its own (2
+GPUs) and one engine shared by two training processes (3 GPUs), then generate and evaluate. One line per
 check (ok / FAIL, seconds, the last error line), a summary, and a non-zero exit if anything failed. With no CUDA
 device it says so and exits 2, checking nothing. Outputs go to .cache/gpu-smoke (removed at the end).
 
@@ -64,7 +65,23 @@ def checks(data: Path, gpus: int, vllm_cuda: bool) -> list[tuple[str, list[str]]
                 [*ddp, "--profile", "ci", "train", "--trainer", "rloo", "train.total_episodes=32", *common],
             )
         )
+    out += _engine_layouts(cli, common, gpus) if vllm_cuda else []
     out += [(f"stage {s}", [*cli, s, *common]) for s in ("generate", "evaluate")]
+    return out
+
+
+def _engine_layouts(cli: list[str], common: list[str], gpus: int) -> list[tuple[str, list[str]]]:
+    """The vLLM engine on a GPU of its own (1 + 1 GPUs), and shared by two training processes (2 + 1)."""
+    out = []
+    if gpus >= 2:
+        dpo = ["train", "--trainer", "online_dpo_vllm", *common]
+        out.append(("train async, engine on cuda:1", [*cli, *dpo, "train.engine_device=cuda:1"]))
+    if gpus >= 3:
+        launch = [*PYTHON, "accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml")]
+        rlhf = ["--num_processes", "2", "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci"]
+        for trainer in ("online_dpo_vllm", "online_dpo_single_vllm"):
+            settings = ["train", "--trainer", trainer, "train.total_episodes=32", *common]
+            out.append((f"train {trainer} zero2 x2 + engine", [*launch, *rlhf, *settings]))
     return out
 
 

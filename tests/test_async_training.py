@@ -9,9 +9,14 @@ import time
 
 import psutil
 import pytest
+import torch
 from conftest import ROOT, ci_config
 from test_resume import results
+from transformers import AutoModelForCausalLM
 
+from rlhf.generation.base import Generated
+from rlhf.generation.factory import Placement, placement
+from rlhf.generation.shared import split_by_rank
 from rlhf.trainers.loop import train
 
 pytestmark = pytest.mark.slow
@@ -54,34 +59,6 @@ def test_colocated_vllm_preset_generates_with_current_weights(ci_data):
     assert final["optimizer_steps"] == 6
 
 
-def test_vllm_presets_refuse_several_training_processes_clearly(ci_data):
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlhf.runtime",
-        "accelerate",
-        "launch",
-        "--config_file",
-        str(ROOT / "configs" / "zero2.yaml"),
-        "--num_processes",
-        "2",
-        "-m",
-        "rlhf.cli",
-        "--params",
-        str(ROOT / "params.yaml"),
-        "--profile",
-        "ci",
-        "train",
-        "--trainer",
-        "online_dpo_vllm",
-        f"data_dir={ci_data}",
-        "tracking.wandb_mode=disabled",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "vLLM engines run with one training process" in proc.stderr
-
-
 def test_killing_the_engine_process_stops_training_with_a_clear_error(ci_data):
     cmd = [
         sys.executable,
@@ -121,36 +98,66 @@ def test_killing_the_engine_process_stops_training_with_a_clear_error(ci_data):
             proc.kill()
 
 
-def test_zero3_weights_are_gathered_for_the_async_engine(ci_data):
-    """Under ZeRO-3 the learner holds partitioned parameters: the snapshot must gather the full weights."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlhf.runtime",
-        "accelerate",
-        "launch",
-        "--config_file",
-        str(ROOT / "configs" / "zero3.yaml"),
-        "--num_processes",
-        "1",
-        "-m",
-        "rlhf.cli",
-        "--params",
-        str(ROOT / "params.yaml"),
-        "--profile",
-        "ci",
-        "train",
-        "--trainer",
-        "online_dpo_vllm",
-        f"data_dir={ci_data}",
-        "tracking.wandb_mode=disabled",
-        "train.total_episodes=24",
-    ]
+def launch(ci_data, zero: str, trainer: str, *settings: str, processes: int = 2) -> list[str]:
+    """The command line of `rlhf train` under accelerate launch with a DeepSpeed config, on the `ci` profile."""
+    config = str(ROOT / "configs" / f"{zero}.yaml")
+    accelerate = ["accelerate", "launch", "--config_file", config, "--num_processes", str(processes)]
+    cli = ["-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train", "--trainer", trainer]
+    return [sys.executable, "-m", "rlhf.runtime", *accelerate, *cli, f"data_dir={ci_data}", *settings]
+
+
+MULTI_RANK = {  # trainer, DeepSpeed config, settings: 2 training processes sharing one vLLM engine
+    # online_dpo_vllm under ZeRO-2: tests/test_resume.py::test_two_ranks_sharing_the_async_engine_resume_exactly
+    "async-rloo-zero3": ("rloo", "zero3", ["train.engine=vllm_async", "train.tis_cap=2.0"]),
+    "colocated-dpo-zero3": ("online_dpo_single_vllm", "zero3", []),
+}
+
+
+@pytest.mark.parametrize("case", MULTI_RANK)
+def test_two_training_ranks_share_one_vllm_engine(ci_data, case):
+    """Rank 0 holds the engine and serves both ranks: each gets the completions of its own prompts back (the loop
+    checks the engine's echo of them), batches are as stale as configured, and under ZeRO-3 both ranks gather the
+    weights for each sync."""
+    trainer, zero, settings = MULTI_RANK[case]
+    cmd = launch(ci_data, zero, trainer, "tracking.wandb_mode=disabled", "train.total_episodes=48", *settings)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logged = rows(ci_data)
-    assert [float(r["async/staleness"]) for r in logged] == [0.0, 1.0, 1.0]
-    assert float(logged[2]["timing/weight_sync_engine"]) > 0  # batch 2 is the first sampled after a sync (v1)
+    assert len(logged) == 3  # 48 episodes / (8 prompts x 2 ranks)
+    lookahead = 0 if trainer == "online_dpo_single_vllm" else 1
+    assert [float(r["async/staleness"]) for r in logged] == [min(t, lookahead) for t in range(3)]
+    assert float(logged[2]["timing/weight_sync_engine"]) > 0  # batch 2 was sampled after a weight sync
+    if "train.tis_cap=2.0" in settings:
+        assert all(0 < float(r["policy/is_weight"]) <= 2.0 for r in logged)
+    sft = AutoModelForCausalLM.from_pretrained(ci_data / "sft").state_dict()
+    trained = AutoModelForCausalLM.from_pretrained(ci_data / "train" / "policy").state_dict()
+    assert any(not torch.equal(sft[k], trained[k]) for k in sft)
+
+
+def test_engine_placement_follows_the_papers_layout(monkeypatch):
+    cpu = torch.device("cpu")
+    assert placement("vllm", "auto", None, 1, cpu) == Placement("cpu", False, None)  # in the training process
+    assert placement("vllm", "auto", None, 2, cpu) == Placement("cpu", True, None)  # beside 2 ranks: its own
+    assert placement("vllm_async", "auto", None, 1, cpu) == Placement("cpu", True, None)
+    assert placement("vllm", "auto", None, 1, torch.device("meta")).device == "cpu"  # vLLM runs on a GPU or the CPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # a mock: no GPU can exist here
+    gpu0 = torch.device("cuda", 0)
+    assert placement("vllm_async", "auto", None, 3, gpu0) == Placement("cuda:3", True, 0.9)  # 3 + 1 GPUs
+    assert placement("vllm", "auto", None, 3, gpu0) == Placement("cuda:0", True, 0.3)  # shares rank 0's GPU
+    assert placement("vllm", "auto", None, 1, gpu0) == Placement("cuda:0", False, 0.3)
+    assert placement("vllm_async", "auto", None, 4, gpu0) == Placement("cuda:0", True, 0.3)  # no spare GPU
+    assert placement("vllm_async", "cuda:2", 0.5, 2, gpu0) == Placement("cuda:2", True, 0.5)
+    assert placement("vllm", "cuda", None, 1, gpu0) == Placement("cuda:0", False, 0.3)
+
+
+def test_split_by_rank_gives_each_rank_the_samples_of_its_own_prompts():
+    prompts = [[1], [2], [3], [4, 4]]  # rank 0 sent 1 prompt, rank 1 three; K = 2 samples each, prompt-major
+    responses = torch.tensor([[10], [11], [20], [21], [30], [31], [40], [41]])
+    gen = Generated(responses, 3, 0.5, responses.float() / 100, responses[:, 0].float(), prompts)
+    first, second = split_by_rank(gen, [1, 3])
+    assert first.prompts == [[1]] and first.responses.tolist() == [[10], [11]] and first.scores.tolist() == [10, 11]
+    assert second.prompts == [[2], [3], [4, 4]] and second.responses[:, 0].tolist() == [20, 21, 30, 31, 40, 41]
+    assert second.logprobs.tolist() == (responses[2:].float() / 100).tolist() and second.version == 3
 
 
 def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):

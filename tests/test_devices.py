@@ -37,10 +37,16 @@ def test_the_loop_keeps_every_tensor_on_the_training_device(ci_data, settings):
         train(ci_config(ci_data, f"train.trainer={trainer}", "train.total_episodes=16", "train.save_every=1", *extra))
 
 
-def test_the_loop_with_a_vllm_engine_keeps_every_tensor_on_the_training_device(ci_data):
-    """The weight sync path: snapshots leave the device for the engine (colocated: vLLM in this process)."""
+VLLM = [("online_dpo_single_vllm",), ("rloo", "train.engine=vllm_async", "train.tis_cap=2.0")]
+
+
+@pytest.mark.parametrize("settings", VLLM, ids="+".join)
+def test_the_loop_with_a_vllm_engine_keeps_every_tensor_on_the_training_device(ci_data, settings):
+    """The weight sync paths: colocated, vLLM in this process reads the weights moved to its device; async, they
+    are copied into host memory for the engine process (checkpoints included)."""
+    trainer, *extra = settings
     with training_device_elsewhere():
-        train(ci_config(ci_data, "train.trainer=online_dpo_single_vllm", "train.total_episodes=16"))
+        train(ci_config(ci_data, f"train.trainer={trainer}", "train.total_episodes=16", "train.save_every=1", *extra))
 
 
 def test_the_stages_put_their_models_and_batches_on_the_device(ci_data):

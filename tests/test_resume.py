@@ -22,12 +22,18 @@ pytestmark = pytest.mark.slow
 EPISODES = 32  # 4 generated batches of 8 prompts on `ci`
 
 
-def run_stage(data_dir, trainer, crash=None):
+def run_stage(data_dir, trainer, crash=None, processes=1):
+    """`rlhf train` in a process of its own; with 2 processes under accelerate launch (DeepSpeed ZeRO-2)."""
     env = {k: v for k, v in os.environ.items() if k != "RLHF_CRASH_AT"}
     if crash:
         env["RLHF_CRASH_AT"] = crash
+    launcher = [sys.executable]
+    if processes > 1:
+        config = str(ROOT / "configs" / "zero2.yaml")
+        launcher += ["-m", "rlhf.runtime", "accelerate", "launch", "--config_file", config]
+        launcher += ["--num_processes", str(processes)]
     cmd = [
-        sys.executable,
+        *launcher,
         "-m",
         "rlhf.cli",
         "--params",
@@ -40,9 +46,16 @@ def run_stage(data_dir, trainer, crash=None):
         f"data_dir={data_dir}",
         "tracking.wandb_mode=disabled",
         "train.save_every=1",
-        f"train.total_episodes={EPISODES}",
+        f"train.total_episodes={EPISODES * processes}",
     ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def killed(proc, processes: int) -> bool:
+    """SIGKILLed: the process itself, or under accelerate launch a rank (the launcher then stops the others)."""
+    if processes == 1:
+        return proc.returncode == -signal.SIGKILL
+    return proc.returncode != 0 and "Signal 9 (SIGKILL)" in proc.stderr
 
 
 def results(data_dir):
@@ -62,7 +75,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
     assert not any((ci_data / "checkpoints").iterdir())  # a finished run removes its resume points
 
     first = run_stage(crashed, trainer, crash="after_update:1")  # batch 1 trained, only batch 0's checkpoint saved
-    assert first.returncode == -signal.SIGKILL, first.stderr[-3000:]
+    assert killed(first, 1), first.stderr[-3000:]
     [ckpt_dir] = (crashed / "checkpoints").iterdir()
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000001"]
     saved = {p.name for p in (ckpt_dir / "batch-000001").iterdir()}
@@ -76,7 +89,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
         "trainer_state.json",
     } <= saved
     second = run_stage(crashed, trainer, crash="checkpoint_write:3")  # killed writing the checkpoint after 3 batches
-    assert second.returncode == -signal.SIGKILL, second.stderr[-3000:]
+    assert killed(second, 1), second.stderr[-3000:]
     assert "resumed from" in second.stdout + second.stderr
     torn = ckpt_dir / ".tmp-batch-000003"
     assert torn.is_dir() and not (torn / "trainer_state.json").exists()
@@ -86,4 +99,27 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
     last = run_stage(crashed, trainer)
     assert last.returncode == 0, last.stderr[-3000:]
     assert "batch-000002 (batch 2)" in last.stdout + last.stderr  # the torn batch-3 checkpoint was never loaded
+    assert results(crashed) == results(ci_data)
+
+
+def test_two_ranks_sharing_the_async_engine_resume_exactly(ci_data, tmp_path):
+    """2 training processes (ZeRO-2), one vLLM engine on rank 0 sampling a batch ahead: SIGKILL both ranks after an
+    update, resume from the checkpoint (the ranks' states and the in-flight weights), get the uninterrupted result."""
+    crashed = tmp_path / "crashed"
+    shutil.copytree(ci_data, crashed)
+    done = run_stage(ci_data, "online_dpo_vllm", processes=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(ci_data / "plots" / "train.csv") as f:
+        assert [float(r["async/staleness"]) for r in csv.DictReader(f)] == [0.0, 1.0, 1.0, 1.0]
+
+    first = run_stage(crashed, "online_dpo_vllm", crash="after_update:2", processes=2)  # checkpoints after 1, 2
+    assert killed(first, 2), first.stderr[-3000:]
+    [ckpt_dir] = (crashed / "checkpoints").iterdir()
+    latest = ckpt_dir / "batch-000002"
+    assert {"rank_state_0.json", "rank_state_1.json", "trainer_state.json"} <= {p.name for p in latest.iterdir()}
+    assert (latest / "engine" / "v000001" / "model.safetensors").is_file()  # batch 2 is sampled with version 1
+
+    last = run_stage(crashed, "online_dpo_vllm", processes=2)
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert "resumed from" in last.stdout + last.stderr
     assert results(crashed) == results(ci_data)

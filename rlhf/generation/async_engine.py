@@ -7,8 +7,8 @@ Processes and channels:
   to watch, to kill and to pin, no grandchild left behind when it dies, and a ~3 s engine start instead of
   ~19 s for vLLM's own engine-core process.
 - trainer -> engine: a bounded multiprocessing Queue of messages handled strictly in order,
-  ("weights", folder, version) and ("generate", batch, prompts, params). Bounded at 2(N+2) messages; the loop
-  never has more than N+1 batches and N+1 weight versions outstanding.
+  ("weights", SharedWeights, version) and ("generate", batch, prompts, params). Bounded at 2(N+2) messages; the
+  loop never has more than N+1 batches and N+1 weight versions outstanding.
 - engine -> trainer: a one-way Pipe whose write end only the engine holds, so the engine's death reads as EOF
   (a Queue would leave a read blocked forever on a half-written message). The engine sends from a thread
   with a bounded buffer, so a large result never stops it from starting the next batch.
@@ -20,12 +20,15 @@ Staleness: batch t is sampled with the newest weights the engine has loaded when
 submits batch t+N before it trains batch t and calls load_weights(version t+1) after training batch t, and the
 engine handles messages in order, so batch t is sampled with version >= t-N: staleness <= N.
 
-Weights: load_weights snapshots the trainer's weights between optimizer steps (see vllm.snapshot_state_dict),
-writes them atomically to a NEW folder per version, and only enqueues the message; the trainer never waits for
-the engine's reload, and the engine only ever sees complete folders. Folders of older versions are deleted once
-the engine acknowledges a version N newer: the last N+1 stay, the weights of the batches still in flight, which
-a checkpoint keeps (`weights_in_flight`) and a resume puts back (`load_snapshot`) so a resumed run samples
-every batch with the same version as an uninterrupted one.
+Weights: load_weights copies the trainer's weights between optimizer steps into shared memory
+(weights.shared_snapshot: gathered under ZeRO-3) and only enqueues the message, which carries the memory's
+handle, not its bytes; the trainer never waits for the engine's reload. Once the engine acknowledges a version N
+newer than a copy, that copy's buffers are reused for the next version. The last N+1 copies are the weights of the
+batches still in flight: a checkpoint writes them to files (`weights_in_flight`) and a resume puts them back
+(`load_snapshot`), so a resumed run samples every batch with the same version as an uninterrupted one.
+
+With max_staleness 0 this is the colocated engine in its own process (several training processes: rank 0 holds
+it, see rlhf.generation.shared): each batch is sampled after the previous update's weights arrived.
 
 Scoring: given a RewardSpec, the engine process can also score a batch (post-processed exactly as the learner
 would, with the same code: the same scores) right after sampling it, so the reward model's forward overlaps
@@ -37,7 +40,7 @@ Timing, `stats()` after each receive, for the batch just received:
   timing/engine_idle          seconds the engine waited for work since it sent the previous batch
   timing/scoring_engine       seconds the engine spent scoring the batch (when it scores)
   timing/weight_sync_engine   seconds the engine spent in reload_weights since the previous batch
-  timing/weight_snapshot      seconds the trainer spent in its last load_weights (gather, clone, write)
+  timing/weight_snapshot      seconds the trainer spent in its last load_weights (gather, copy to shared memory)
 Generated.seconds is the engine's own generation time for the batch.
 """
 
@@ -59,47 +62,40 @@ import torch
 
 from rlhf.generation.base import Generated, SamplingParams
 from rlhf.generation.engine_process import POLL_SECONDS, EngineSpec, engine_process_main
-from rlhf.generation.weights import snapshot_folder, snapshot_state_dict, write_snapshot
-from rlhf.io import atomic_dir
+from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapshot, write_snapshot
 
 
 class AsyncEngine:
-    """The Engine protocol over a VLLMEngine in its own process; lookahead = max_staleness (N >= 1)."""
+    """The Engine protocol over a VLLMEngine in its own process; lookahead = max_staleness (N >= 0)."""
 
     def __init__(
         self,
-        model_folder: Path,
-        eos_token_id: int,
-        pad_token_id: int,
-        seed: int,
-        max_model_len: int,
+        spec: EngineSpec,
         work_dir: Path,
         max_staleness: int,
-        reward=None,
         score: str = "always",
-        dtype: str = "float32",
         start_timeout: float = 600.0,
     ):
-        if max_staleness < 1:
-            raise ValueError(f"AsyncEngine: max_staleness must be >= 1, got {max_staleness}")
+        """spec: the engine to build (rlhf.generation.engine_process); work_dir: where checkpoints' copies of the
+        weights in flight are written."""
+        if max_staleness < 0:
+            raise ValueError(f"AsyncEngine: max_staleness must be >= 0, got {max_staleness}")
         self.lookahead = max_staleness
         self.work_dir = Path(work_dir)
         self._next_batch = 0  # the batch index (seeds) of the next submit
         self._pending: deque[int] = deque()  # submitted batch indices not yet received, oldest first
         self._ready: dict[int, tuple[Generated, dict]] = {}  # results read while waiting for something else
-        self._snapshots: dict[int, Path] = {}  # version -> folder still on disk
+        self._snapshots: dict[int, SharedWeights] = {}  # version -> weights the engine may still need
+        self._spare: list[SharedWeights] = []  # buffers of versions the engine is done with, to reuse
         self._stats: dict[str, float] = {}
         self._snapshot_seconds = 0.0
-        self._score = score if reward is not None else "never"
+        self._score = score if spec.reward is not None else "never"
         self._learner_wait = self._engine_idle = 0.0  # moving averages, seconds per batch: who waits for whom
         self.start_seconds = float("nan")
         ctx = mp.get_context("spawn")
         self._inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
         self._stop = ctx.Event()
         reader, writer = ctx.Pipe(duplex=False)
-        spec = EngineSpec(
-            str(model_folder), eos_token_id, pad_token_id, seed, max_model_len, str(work_dir), reward, dtype
-        )
         self._proc = ctx.Process(
             target=engine_process_main,
             args=(spec, self._inbox, writer, self._stop, os.getpid()),
@@ -110,7 +106,7 @@ class AsyncEngine:
         writer.close()  # the engine holds the only write end: its death closes the pipe
         self._results = reader
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._proc, self._stop, self._inbox, self._results, self._snapshots
+            self, _shutdown, self._proc, self._stop, self._inbox, self._results, self.work_dir
         )
         # Run before multiprocessing's own exit hook, which would join the (non-daemon) engine forever.
         self._finalizer.atexit = False
@@ -148,24 +144,25 @@ class AsyncEngine:
         return gen
 
     def load_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Snapshot `model` into a new folder and queue it; the engine loads it before its next batch."""
+        """Copy `model`'s weights into shared memory and queue them; the engine loads them before its next batch."""
         start = time.perf_counter()
-        folder = write_snapshot(snapshot_state_dict(model), snapshot_folder(self.work_dir, version))
-        self._snapshots[version] = folder
-        self._put(("weights", str(folder), version))
+        self._queue_weights(shared_snapshot(model, self._spare.pop() if self._spare else None), version)
         self._snapshot_seconds = time.perf_counter() - start
 
     def load_snapshot(self, folder: Path, version: int) -> None:
-        """Queue weights saved earlier (a checkpoint's copy of `weights_in_flight`); `folder` stays untouched."""
-        with atomic_dir(snapshot_folder(self.work_dir, version)) as tmp:
-            shutil.copytree(folder, tmp, dirs_exist_ok=True)
-        self._snapshots[version] = snapshot_folder(self.work_dir, version)
-        self._put(("weights", str(self._snapshots[version]), version))
+        """Queue weights a checkpoint wrote (`weights_in_flight`); `folder` stays untouched."""
+        self._queue_weights(read_snapshot(folder), version)
 
     def weights_in_flight(self, version: int) -> dict[int, Path]:
-        """The snapshot folders of versions version-N .. version-1 (>= 1): batches version .. version+N-1 are
-        sampled with them. Version 0 is the starting model, which a resume has anyway."""
-        return {v: f for v, f in self._snapshots.items() if max(1, version - self.lookahead) <= v < version}
+        """Files of versions version-N .. version-1 (>= 1), written now: batches version .. version+N-1 are sampled
+        with them. Version 0 is the starting model, which a resume has anyway."""
+        folders = {}
+        for v, weights in self._snapshots.items():
+            if max(1, version - self.lookahead) <= v < version:
+                folders[v] = self.work_dir / f"v{v:06d}"
+                if not folders[v].exists():  # an earlier checkpoint may have written it
+                    write_snapshot(weights, folders[v])
+        return folders
 
     def close(self) -> None:
         """Stop the engine process (stop event + sentinel, join, then terminate/kill); safe to call twice."""
@@ -195,6 +192,10 @@ class AsyncEngine:
         except BaseException:
             self.close()
             raise
+
+    def _queue_weights(self, weights: SharedWeights, version: int) -> None:
+        self._snapshots[version] = weights
+        self._put(("weights", weights, version))
 
     def _put(self, msg: tuple) -> None:
         while True:
@@ -231,9 +232,9 @@ class AsyncEngine:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "result":
-            _, batch, responses, logprobs, scores, version, seconds, idle, reload, scoring = msg
+            _, batch, responses, logprobs, scores, prompts, version, seconds, idle, reload, scoring = msg
             scores = None if scores is None else torch.from_numpy(scores)
-            gen = Generated(torch.from_numpy(responses), version, seconds, torch.from_numpy(logprobs), scores)
+            gen = Generated(torch.from_numpy(responses), version, seconds, torch.from_numpy(logprobs), scores, prompts)
             stats = {"timing/engine_idle": idle, "timing/weight_sync_engine": reload}
             if self._score != "never":
                 stats["timing/scoring_engine"] = scoring
@@ -241,7 +242,8 @@ class AsyncEngine:
         elif kind == "ack":
             _, version = msg
             for old in [v for v in self._snapshots if v < version - self.lookahead]:
-                shutil.rmtree(self._snapshots.pop(old), ignore_errors=True)
+                self._spare = [self._snapshots.pop(old)]  # one spare set of buffers is enough
+                shutil.rmtree(self.work_dir / f"v{old:06d}", ignore_errors=True)
         elif kind == "ready":
             self.start_seconds = msg[1]
         elif kind == "error":
@@ -258,8 +260,8 @@ class AsyncEngine:
         return RuntimeError(f"vLLM engine process (pid {self._proc.pid}, {how}) {what}")
 
 
-def _shutdown(proc, stop, inbox, results, snapshots: dict, timeout: float = 30.0) -> None:
-    """Stop the engine process and free the channels and snapshot folders (the finalizer: runs once)."""
+def _shutdown(proc, stop, inbox, results, work_dir: Path, timeout: float = 30.0) -> None:
+    """Stop the engine process, free the channels, delete the weight files (the finalizer: runs once)."""
     if proc.is_alive():
         stop.set()  # skip batches still queued
         try:
@@ -282,6 +284,5 @@ def _shutdown(proc, stop, inbox, results, snapshots: dict, timeout: float = 30.0
     results.close()
     inbox.cancel_join_thread()  # unsent messages to a dead engine must not block interpreter exit
     inbox.close()
-    for folder in snapshots.values():
+    for folder in work_dir.glob("v[0-9]*"):
         shutil.rmtree(folder, ignore_errors=True)
-    snapshots.clear()

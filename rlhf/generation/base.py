@@ -28,6 +28,7 @@ class Generated:
     seconds: float  # wall time the engine spent generating this batch
     logprobs: torch.Tensor | None = None  # (B*K, T) the engine's own sampling log-probs, when it has them
     scores: torch.Tensor | None = None  # (B*K,) reward before the missing-EOS penalty, when the engine scored them
+    prompts: list[list[int]] | None = None  # the B prompts the engine sampled from, as it saw them (the loop checks)
 
 
 class Engine(Protocol):

@@ -30,9 +30,10 @@ class EngineSpec:
     pad_token_id: int
     seed: int
     max_model_len: int
-    work_dir: str
     reward: object = None  # a rlhf.rewards.proxy.RewardSpec: score batches in the engine process
     dtype: str = "float32"
+    device: str = "cpu"  # "cpu" or "cuda:<i>": the process sees only that GPU
+    gpu_memory_utilization: float | None = None  # vLLM's share of that GPU
 
 
 def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int) -> None:
@@ -45,6 +46,8 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
     if len(cores) > 1:
         os.sched_setaffinity(0, {cores[-1]})  # its own core; the trainer keeps the others
     torch.set_num_threads(1)
+    if spec.device.startswith("cuda"):  # before CUDA starts: this process, vLLM included, sees its GPU only
+        os.environ["CUDA_VISIBLE_DEVICES"] = spec.device.partition(":")[2] or "0"
     outbox = _Sender(results)
     try:
         engine = VLLMEngine(
@@ -53,8 +56,9 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
             spec.pad_token_id,
             spec.seed,
             spec.max_model_len,
-            Path(spec.work_dir),
             spec.dtype,
+            spec.gpu_memory_utilization,
+            "cuda:0" if spec.device.startswith("cuda") else spec.device,  # its only visible GPU
         )
         scorer = _Scorer(spec) if spec.reward is not None else None
         outbox.send(("ready", engine.start_seconds))
@@ -70,8 +74,8 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
 
 
 def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> None:
-    """Handle ("weights", folder, version) and ("generate", batch, prompts, params, score) in order; each result
-    carries the seconds the engine was idle and reloading since the previous one."""
+    """Handle ("weights", SharedWeights, version) and ("generate", batch, prompts, params, score) in order; each
+    result carries the seconds the engine was idle and reloading since the previous one."""
     idle = reload = 0.0
     while True:
         waited = time.perf_counter()
@@ -80,8 +84,9 @@ def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> 
         if msg is None:
             return
         if msg[0] == "weights":
-            _, folder, version = msg
-            reload += engine.reload(Path(folder), version, delete_previous=False)  # the trainer side deletes
+            _, weights, version = msg
+            reload += engine.reload(weights.tensors(), version)
+            del msg, weights  # vLLM holds its own copy now: the trainer may reuse the shared buffers
             outbox.send(("ack", version))
         elif msg[0] == "generate":
             _, batch, prompts, params, score = msg
@@ -90,7 +95,7 @@ def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> 
             scores = scorer(prompts, gen.responses, params.k).numpy() if scorer is not None and score else None
             scoring = time.perf_counter() - scored
             arrays = (gen.responses.numpy(), gen.logprobs.numpy(), scores)
-            outbox.send(("result", batch, *arrays, gen.version, gen.seconds, idle, reload, scoring))
+            outbox.send(("result", batch, *arrays, gen.prompts, gen.version, gen.seconds, idle, reload, scoring))
             idle = reload = 0.0
         else:
             raise ValueError(f"unknown message {msg[0]!r}")
@@ -103,6 +108,8 @@ class _Scorer:
         from rlhf.models.loading import load_tokenizer
 
         self.reward_fn = spec.reward.build()
+        if spec.device.startswith("cuda"):  # beside vLLM on the engine's GPU
+            self.reward_fn = self.reward_fn.placed(lambda m: m.to("cuda:0"), torch.device("cuda:0"))
         self.tokenizer = load_tokenizer(Path(spec.model_folder)) if self.reward_fn.needs_texts else None
         self.pad, self.eos = spec.pad_token_id, spec.eos_token_id
 

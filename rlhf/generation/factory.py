@@ -2,11 +2,43 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rlhf.generation.base import Engine
+
+OWN_GPU_MEMORY, SHARED_GPU_MEMORY = 0.9, 0.3  # vLLM's share of a GPU it has to itself / shares with training
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a vLLM engine runs. device: "cpu" or "cuda:<i>"; own_process: in a process of its own (vllm_async,
+    or colocated beside several training processes, or on another device than training); gpu_memory_utilization:
+    vLLM's share of the GPU (None on CPU)."""
+
+    device: str
+    own_process: bool
+    gpu_memory_utilization: float | None
+
+
+def placement(name: str, setting: str, memory: float | None, world: int, learner_device: torch.device) -> Placement:
+    """train.engine_device `setting` resolved for engine `name` beside `world` training processes, rank 0 on
+    `learner_device` (train.engine_gpu_memory_utilization `memory`: None = by whether the GPU is shared)."""
+    # vLLM runs on a GPU or the CPU: rank 0's GPU, or the CPU for any other training device
+    learner = f"cuda:{learner_device.index or 0}" if learner_device.type == "cuda" else "cpu"
+    if setting == "auto" and name == "vllm_async" and torch.cuda.device_count() > world:
+        device = f"cuda:{world}"  # the paper's layout: W training GPUs and the next one for generation
+    elif setting == "auto":
+        device = learner
+    else:
+        device = "cuda:0" if setting == "cuda" else setting
+    own_process = name == "vllm_async" or world > 1 or device != learner
+    if device == "cpu":
+        return Placement(device, own_process, None)
+    shared = device == learner or (device.startswith("cuda") and int(device.split(":")[1]) < world)
+    return Placement(device, own_process, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY))
 
 
 def make_engine(
@@ -23,14 +55,16 @@ def make_engine(
     dtype: str = "float32",
     reward=None,
     score: str = "never",
+    where: Placement | None = None,
 ) -> Engine:
     """An engine for rlhf.presets.ENGINES `name`.
 
     hf: HF generate on `model` itself (the training model, on `device`: nothing to copy). vllm / vllm_async: a vLLM
-    engine started from the HF safetensors folder `model_folder` (version 0, the weights `model` starts from);
-    `work_dir` receives the weight snapshots (one folder per version, old ones deleted). vllm_async samples up
-    to `max_staleness` batches ahead in its own process; given `reward` (a rlhf.rewards.proxy.RewardSpec) it
-    can score batches there too, as `score` says (rlhf.generation.async_engine).
+    engine started from the HF safetensors folder `model_folder` (version 0, the weights `model` starts from),
+    placed as `where` says (default: beside one training process on `device`). vllm_async samples up to
+    `max_staleness` batches ahead in its own process, writing the weights of batches in flight to `work_dir` when
+    a checkpoint asks; given `reward` (a rlhf.rewards.proxy.RewardSpec) it can score batches there too, as
+    `score` says (rlhf.generation.async_engine).
     """
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError(
@@ -41,23 +75,35 @@ def make_engine(
         from rlhf.generation.hf import HFEngine
 
         return HFEngine(model, device=device, **ids)
+    if name not in ("vllm", "vllm_async"):
+        raise ValueError(f"train.engine: unknown engine {name!r} (expected hf, vllm or vllm_async)")
     model_folder, work_dir = Path(model_folder), Path(work_dir)
+    where = where or placement(name, "auto", None, 1, device)
     if dtype == "auto":  # bf16 where it is native (GPUs); on these CPUs float32 (docs/gpu.md)
-        dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+        dtype = "bfloat16" if where.device.startswith("cuda") else "float32"
     if not (model_folder / "config.json").is_file():
         raise FileNotFoundError(
             f"{model_folder / 'config.json'}: missing; the vLLM engine needs a saved HF model folder"
         )
-    work_dir.mkdir(parents=True, exist_ok=True)
-    common = dict(seed=seed, max_model_len=max_model_len, work_dir=work_dir, dtype=dtype, **ids)
-    if name == "vllm":
+    common = dict(seed=seed, max_model_len=max_model_len, dtype=dtype, **ids)
+    if not where.own_process:
         from rlhf.generation.vllm import VLLMEngine
 
-        return VLLMEngine(model_folder, **common)
-    if name == "vllm_async":
-        from rlhf.generation.async_engine import AsyncEngine
+        return VLLMEngine(
+            model_folder, gpu_memory_utilization=where.gpu_memory_utilization, device=where.device, **common
+        )
+    from rlhf.generation.async_engine import AsyncEngine
+    from rlhf.generation.engine_process import EngineSpec
 
-        if max_staleness < 1:
-            raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
-        return AsyncEngine(model_folder, max_staleness=max_staleness, reward=reward, score=score, **common)
-    raise ValueError(f"train.engine: unknown engine {name!r} (expected hf, vllm or vllm_async)")
+    if name == "vllm_async" and max_staleness < 1:
+        raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
+    spec = EngineSpec(
+        str(model_folder),
+        **common,
+        reward=reward,
+        device=where.device,
+        gpu_memory_utilization=where.gpu_memory_utilization,
+    )
+    work_dir.mkdir(parents=True, exist_ok=True)
+    lookahead = max_staleness if name == "vllm_async" else 0
+    return AsyncEngine(spec, work_dir, max_staleness=lookahead, score=score if reward is not None else "never")

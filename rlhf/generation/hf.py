@@ -91,6 +91,7 @@ class HFEngine:
             self.version,
             time.perf_counter() - start,
             logprobs,
+            prompts=prompts,
         )
 
     def seek(self, batch: int) -> None:

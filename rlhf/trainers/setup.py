@@ -22,7 +22,8 @@ from transformers import get_scheduler
 
 from rlhf.config import Config, TrainConfig, fingerprint
 from rlhf.generation.base import Engine, SamplingParams
-from rlhf.generation.factory import make_engine
+from rlhf.generation.factory import make_engine, placement
+from rlhf.generation.shared import SharedEngine
 from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
 from rlhf.models.loading import load_tokenizer
 from rlhf.presets import resolve
@@ -97,14 +98,11 @@ def setup(cfg: Config) -> Run:
     c = cfg.train
     algorithm, engine_name = resolve(c.trainer, c.engine)
     objective = OBJECTIVES[algorithm](c)
-    _check_launcher(engine_name)
     tokenizer = load_tokenizer(cfg.path("sft"))
     prompts = load_rl_prompts(cfg, tokenizer)
     reward = RewardSpec(c.reward, str(cfg.path("gold") if c.reward == "gold" else cfg.path("reward", "model")))
-    # The async engine builds vLLM in its own process (from the SFT folder) while this one loads its models.
-    early = (
-        _setup_engine(cfg, engine_name, None, tokenizer, prompts, reward, None) if engine_name == "vllm_async" else None
-    )
+    # An engine in its own process builds vLLM (from the SFT folder) while this one loads its models.
+    early = _start_engine_early(cfg, engine_name, tokenizer, prompts, reward)
     try:
         policy, ref, value = _setup_models(cfg, objective.needs_values)
         reward_fn, gold = _setup_reward(cfg, engine_name, reward)
@@ -117,7 +115,7 @@ def setup(cfg: Config) -> Run:
         ref = _place_frozen(ref, acc)
         reward_fn = reward_fn.placed(lambda m: _place_frozen(m, acc), acc.device) if reward_fn is not None else None
         policy = unwrap_policy(acc.unwrap_model(model))
-        engine = early or _setup_engine(cfg, engine_name, policy, tokenizer, prompts, reward, acc.device)
+        engine = _setup_engine(cfg, engine_name, early, policy, tokenizer, prompts, reward, acc)
     except BaseException:
         if early is not None:
             early.close()
@@ -137,15 +135,6 @@ def setup(cfg: Config) -> Run:
         reward_fn=reward_fn,
         gold=gold,
     )
-
-
-def _check_launcher(engine_name: str) -> None:
-    # Before anything loads (WORLD_SIZE is set by accelerate/torchrun launchers), so the refusal is instant.
-    if engine_name != "hf" and (world := int(os.environ.get("WORLD_SIZE", "1"))) > 1:
-        raise ValueError(
-            f"train.engine={engine_name}: the vLLM engines run with one training process (got {world}); "
-            "use train.engine=hf with several processes"
-        )
 
 
 def _setup_models(cfg: Config, needs_values: bool):
@@ -207,7 +196,38 @@ def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
     return reward_fn, GoldJudge.load(cfg.path("gold"))
 
 
-def _setup_engine(cfg: Config, name: str, policy: nn.Module, tokenizer, prompts, reward: RewardSpec, device) -> Engine:
+def _launch() -> tuple[int, int, torch.device]:
+    """(rank, world size, rank's device) from the launcher's environment, before the Accelerator exists."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return rank, world, torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _start_engine_early(cfg: Config, name: str, tokenizer, prompts, reward: RewardSpec) -> Engine | None:
+    """On rank 0, an engine that runs in its own process (placement) starts now; None otherwise."""
+    if name == "hf":
+        return None
+    rank, world, device = _launch()
+    where = placement(name, cfg.train.engine_device, cfg.train.engine_gpu_memory_utilization, world, device)
+    if rank != 0 or not where.own_process:
+        return None
+    return _make_engine(cfg, name, None, tokenizer, prompts, reward, device, where)
+
+
+def _setup_engine(cfg: Config, name: str, early, policy, tokenizer, prompts, reward: RewardSpec, acc) -> Engine:
+    """The run's engine on every rank: with several training processes one engine on rank 0, shared
+    (rlhf.generation.shared); the HF engine samples from each rank's own model."""
+    c, world = cfg.train, acc.num_processes
+    if name == "hf" or world == 1:
+        where = (
+            None if name == "hf" else placement(name, c.engine_device, c.engine_gpu_memory_utilization, 1, acc.device)
+        )
+        return early or _make_engine(cfg, name, policy, tokenizer, prompts, reward, acc.device, where)
+    engine = early if acc.process_index == 0 else None
+    return SharedEngine(engine, acc.process_index, world, lookahead=c.max_staleness if name == "vllm_async" else 0)
+
+
+def _make_engine(cfg: Config, name: str, policy, tokenizer, prompts, reward: RewardSpec, device, where) -> Engine:
     """The engine starts from the SFT weights (version 0); a resumed run syncs its own weights right after."""
     c = cfg.train
     score = _scoring_side(c, name)
@@ -224,6 +244,7 @@ def _setup_engine(cfg: Config, name: str, policy: nn.Module, tokenizer, prompts,
         dtype=c.engine_dtype,
         reward=reward if score != "never" else None,
         score=score,
+        where=where,
     )
 
 
