@@ -17,9 +17,20 @@ import sys
 import traceback
 
 from rlhf.config import DEFAULT_PARAMS, ConfigError, config_yaml, load_config
+from rlhf.io import check_writable, stage_lock
 from rlhf.presets import PRESETS, describe
 
-PIPELINE = ("prepare", "gold", "sft", "reward", "train", "generate", "evaluate")
+# The folder each stage writes under data_dir (besides metrics/<stage>.json and plots/), as dvc.yaml declares.
+STAGE_OUTPUTS = {
+    "prepare": "prepared",
+    "gold": "gold",
+    "sft": "sft",
+    "reward": "reward",
+    "train": "train",
+    "generate": "generations",
+    "evaluate": "eval",
+}
+PIPELINE = tuple(STAGE_OUTPUTS)
 HELP = {
     "prepare": "build the prompt/SFT/gold splits of the task under data/prepared",
     "gold": "fit the gold judge on the human labels; held-out accuracy to data/metrics/gold.json",
@@ -114,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             print(config_yaml(cfg), end="")
             return 0
-        importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
+        outputs = [cfg.path(STAGE_OUTPUTS[args.command]), cfg.path("metrics"), cfg.path("plots")]
+        check_writable(outputs + ([cfg.path("checkpoints")] if args.command == "train" else []))
+        with stage_lock(cfg.data_dir, args.command, rank=runtime.env_int("RANK", 0)):
+            importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
         record_stage_cost(args.command, cfg.profile)
         return 0
     except KeyboardInterrupt:

@@ -30,7 +30,8 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     # strict: "8" is not an int and 2.5 is not an int; an int is still accepted where a float is expected.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # No float setting takes NaN or inf (YAML's .nan / .inf): one would train "successfully" into NaN metrics.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class DataConfig(_Section):
@@ -222,6 +223,9 @@ class TrainConfig(_Section):
         description="checkpoint every N generated batches into data/checkpoints/train-<fingerprint> (0 = never); "
         "a re-run with the same settings resumes from the last one, and a finished run deletes them",
     )
+    keep_checkpoints: int = Field(
+        2, ge=1, description="how many of the newest resume checkpoints to keep while the run goes on (older deleted)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -295,7 +299,20 @@ class Config(_Section):
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML 1.2 floats: PyYAML alone reads `1e-5` (no dot) as a string."""
+    """YAML 1.2 floats (PyYAML alone reads `1e-5`, no dot, as a string), and no duplicate keys: PyYAML keeps the
+    last one silently, DVC calls the file corrupt, so `rlhf` and `dvc repro` would disagree about the params."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (lines {seen[key]} and {line}): keep one", key_node.start_mark
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -314,6 +331,10 @@ _Loader.add_implicit_resolver(
 def parse_yaml(text: str, origin: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except yaml.constructor.ConstructorError as e:
+        if e.problem and e.problem.startswith("duplicate key"):
+            raise ConfigError(f"{origin}: {e.problem}") from None
+        raise ConfigError(f"{origin}: malformed YAML: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{origin}: malformed YAML: {e}") from None
 
@@ -382,23 +403,16 @@ def load_config(
     profile's settings for one trainer, e.g. PPO's k = 1 in the paper's setting), the top-level sections, overrides.
     """
     params_path = Path(params_path)
-    raw = _read_params(params_path)
-    all_profiles = raw.pop("profiles", None) or {}
-    name = profile or raw.pop("profile", None) or "tiny"
-    raw.pop("profile", None)
-    if name not in all_profiles:
-        valid = ", ".join(sorted(all_profiles)) or "(none)"
-        raise ConfigError(f"unknown profile {name!r}; valid profiles in {params_path}: {valid}")
-    user = raw
+    user = _read_params(params_path)
     for item in overrides:
         user = _override(user, item)
-    base = dict(all_profiles[name] or {})
-    per_trainer = base.pop("trainers", None) or {}
-    for trainer in per_trainer:
-        if trainer not in PRESETS:
-            raise ConfigError(f"profiles.{name}.trainers.{trainer}: unknown trainer (known: {', '.join(PRESETS)})")
-    trainer = (user.get("train") or {}).get("trainer") or (base.get("train") or {}).get("trainer") or "online_dpo"
-    merged = _merge(_merge(base, per_trainer.get(trainer) or {}), user)
+    if profile is not None and any(parse_override(o)[0] == ["profile"] for o in overrides):
+        raise ConfigError("the profile is given twice (--profile and profile=): keep one")
+    name = profile or user.pop("profile", None) or "tiny"
+    user.pop("profile", None)
+    base, per_trainer = _profile(user.pop("profiles", None) or {}, name, params_path)
+    trainer = _section(user, "train").get("trainer") or _section(base, "train").get("trainer") or "online_dpo"
+    merged = _merge(_merge(base, per_trainer.get(trainer) or {} if isinstance(trainer, str) else {}), user)
     merged["profile"] = name
     try:
         return Config.model_validate(merged)
@@ -406,10 +420,38 @@ def load_config(
         raise ConfigError(_format_error(e)) from None
 
 
+def _profile(all_profiles: Any, name: Any, params_path: Path) -> tuple[dict, dict]:
+    """profiles.<name> split into (its sections, its per-trainer settings), every level checked to be a mapping."""
+    if not isinstance(all_profiles, dict):
+        raise ConfigError(f"{params_path}: profiles must be a mapping of profile names to settings")
+    if not isinstance(name, str) or name not in all_profiles:
+        valid = ", ".join(sorted(all_profiles)) or "(none)"
+        raise ConfigError(f"unknown profile {name!r}; valid profiles in {params_path}: {valid}")
+    base = all_profiles[name] or {}
+    if not isinstance(base, dict):
+        raise ConfigError(f"{params_path}: profiles.{name} must be a mapping of sections")
+    base = dict(base)
+    per_trainer = base.pop("trainers", None) or {}
+    if not isinstance(per_trainer, dict):
+        raise ConfigError(f"{params_path}: profiles.{name}.trainers must be a mapping of trainer names to settings")
+    for trainer, settings in per_trainer.items():
+        if trainer not in PRESETS:
+            raise ConfigError(f"profiles.{name}.trainers.{trainer}: unknown trainer (known: {', '.join(PRESETS)})")
+        if not isinstance(settings, dict | None):
+            raise ConfigError(f"{params_path}: profiles.{name}.trainers.{trainer} must be a mapping of sections")
+    return base, per_trainer
+
+
+def _section(raw: dict, name: str) -> dict:
+    """raw[name] when it is a mapping, else {} (validation then names the section's wrong type)."""
+    value = raw.get(name)
+    return value if isinstance(value, dict) else {}
+
+
 def fingerprint(cfg: Config) -> str:
     """A short hash of everything that decides a run's results (not where it lives or how it logs): a
     checkpoint is resumed only by a run with the same fingerprint."""
-    settings = cfg.model_dump(mode="json", exclude={"data_dir", "tracking"})
+    settings = cfg.model_dump(mode="json", exclude={"data_dir": True, "tracking": True, "train": {"keep_checkpoints"}})
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 

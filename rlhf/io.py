@@ -65,3 +65,50 @@ def package_file(package: str, relative: str, install_hint: str) -> Path:
             f"{path} is missing from the installed `{package}` package: reinstall it with {install_hint}"
         )
     return path
+
+
+@contextlib.contextmanager
+def stage_lock(data_dir: Path | str, stage: str, rank: int = 0) -> Iterator[None]:
+    """One `rlhf <stage>` per data folder at a time: a second one is refused, naming the process that holds it.
+
+    An flock on data_dir/.locks/<stage>.lock: the kernel releases it when its holder dies, so the lock of a killed
+    run is stale by construction and the next run takes it over. `rank` 0 only under a multi-process launcher.
+    """
+    if rank != 0:
+        yield
+        return
+    import fcntl
+
+    path = Path(data_dir) / ".locks" / f"{stage}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise RuntimeError(
+                f"another `rlhf {stage}` (pid {holder}) is writing the outputs in {data_dir}: wait for it to finish "
+                f"or stop it; two runs would overwrite each other's results"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def check_writable(folders: list[Path]) -> None:
+    """Before a stage starts its work: each output folder must be a folder (or not exist yet) that this process can
+    create and write, or the stage would fail after its work with some outputs replaced and others not."""
+    for folder in map(Path, folders):
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"{folder}: a file is in the way of this output folder; move it away")
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing}: a file is in the way of the output folder {folder}; move it away")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(f"{existing}: not writable, so {folder} cannot be written; fix its permissions")

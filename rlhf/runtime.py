@@ -60,7 +60,21 @@ def configure() -> None:
     if not torch.cuda.is_available():  # DeepSpeed finds CUDA by itself; on a CPU-only box it must be told
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # Two threads per worker are many times slower on the 2-core machines than one.
-    torch.set_num_threads(int(os.environ.get("RLHF_TORCH_THREADS", "1")))
+    torch.set_num_threads(env_int("RLHF_TORCH_THREADS", 1, minimum=1))
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    """An integer environment variable the project reads; a malformed one is a one-line error naming it."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"environment variable {name}={raw!r}: expected an integer >= {minimum}")
+    return value
 
 
 def device():

@@ -13,6 +13,9 @@ STEP = "train/episode"
 COMPLETION_COLUMNS = ["prompt", "completion", "reward", "gold"]
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
 def wandb_mode(setting: str, env: Mapping[str, str]) -> str:
     """The W&B mode for `tracking.wandb_mode=setting`: offline by default, online once the user gives a key.
 
@@ -23,6 +26,10 @@ def wandb_mode(setting: str, env: Mapping[str, str]) -> str:
     if setting != "offline":
         return setting
     if env.get("WANDB_MODE"):
+        if env["WANDB_MODE"] not in WANDB_MODES:
+            raise ValueError(
+                f"environment variable WANDB_MODE={env['WANDB_MODE']!r}: expected one of {', '.join(WANDB_MODES)}"
+            )
         return env["WANDB_MODE"]
     return "online" if env.get("WANDB_API_KEY") else "offline"
 
@@ -45,15 +52,21 @@ class Tracker:
             import wandb
 
             mode = wandb_mode(cfg.tracking.wandb_mode, os.environ)
-            self.run = wandb.init(
-                project=cfg.tracking.wandb_project,
-                job_type=stage,
-                mode=mode,
-                config=cfg.model_dump(mode="json"),
-                dir=os.environ.get("WANDB_DIR"),
-                id=run_id,
-                resume="allow" if run_id else None,
-            )
+            try:
+                self.run = wandb.init(
+                    project=cfg.tracking.wandb_project,
+                    job_type=stage,
+                    mode=mode,
+                    config=cfg.model_dump(mode="json"),
+                    dir=os.environ.get("WANDB_DIR"),
+                    id=run_id,
+                    resume="allow" if run_id else None,
+                )
+            except wandb.errors.UsageError as e:  # e.g. online without a key: one line, not W&B's traceback
+                raise ValueError(
+                    f"tracking.wandb_mode={mode}: W&B refused to start ({str(e).splitlines()[0]}); set WANDB_API_KEY "
+                    "or use tracking.wandb_mode=offline (and `wandb sync` later)"
+                ) from None
             self.run.define_metric(STEP)
             self.run.define_metric("*", step_metric=STEP)
 

@@ -30,7 +30,7 @@ from conftest import PARAMS, ROOT, ci_config, folder_digest, free_port, isolated
 
 from rlhf.config import Config, TrackingConfig
 from rlhf.models import loading
-from rlhf.tracking import STEP, Tracker
+from rlhf.tracking import STEP, Tracker, wandb_mode
 from rlhf.trainers.loop import train
 
 DOC = ROOT / "docs" / "reliability.md"
@@ -178,10 +178,89 @@ def test_reward_returning_nan_stops_training_and_keeps_the_last_checkpoint(stopp
     with pytest.raises(
         RuntimeError,
         match=rf"the reward \(proxy\) returned NaN/inf for 16 of 16 samples at batch 1 \(trainer ppo\); the last "
-        rf"good checkpoint in {re.escape(str(ckpt.parent))} is intact",
+        rf"good checkpoint, {re.escape(str(ckpt))}, is intact: fix the cause and run the stage again",
     ):
         train(ci_config(data, *STOPPED))
     _assert_only_the_good_checkpoint(data, ckpt, digest)
+
+
+@pytest.mark.slow
+def test_a_nan_gradient_stops_training_before_the_optimizer_step(ci_data, monkeypatch):
+    """Fault injection: a hook turns the embeddings' gradient into NaN while the loss stays finite."""
+    from rlhf.trainers import setup
+
+    load_models = setup._setup_models
+
+    def with_nan_gradient(cfg, needs_values):
+        policy, ref, value = load_models(cfg, needs_values)
+        policy.get_input_embeddings().weight.register_hook(lambda grad: grad * float("nan"))
+        return policy, ref, value
+
+    monkeypatch.setattr(setup, "_setup_models", with_nan_gradient)
+    message = r"the gradient norm became nan at batch 0 \(trainer online_dpo\); no checkpoint was saved yet \(train"
+    with pytest.raises(RuntimeError, match=message):
+        train(ci_config(ci_data, "train.total_episodes=16"))
+    assert not (ci_data / "train" / "policy").exists() and not (ci_data / "metrics" / "train.json").exists()
+
+
+def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
+    env = {**os.environ, "RLHF_TORCH_THREADS": "two"}
+    proc = run_cli("--profile", "ci", "prepare", f"data_dir={tmp_path}", env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "rlhf prepare: error: environment variable RLHF_TORCH_THREADS='two': expected an integer >= 1"
+    ]
+    with pytest.raises(ValueError, match="environment variable WANDB_MODE='offlne': expected one of online, offline"):
+        wandb_mode("offline", {"WANDB_MODE": "offlne"})
+
+
+def test_wandb_online_without_a_key_is_one_line(ci_data, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path / "wandb"), WANDB_CONFIG_DIR=str(tmp_path / "config"))
+    proc = run_cli(
+        "--profile", "ci", "train", f"data_dir={ci_data}", "tracking.wandb_mode=online", env=env, timeout=300
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    [line] = [x for x in proc.stderr.strip().splitlines() if x.startswith("rlhf train: error:")]
+    assert "tracking.wandb_mode=online: W&B refused to start" in line and "set WANDB_API_KEY" in line
+    assert "Traceback" not in proc.stderr and not (ci_data / "train" / "policy").exists()
+
+
+@pytest.mark.parametrize("stage, in_the_way", [("train", "train"), ("gold", "metrics"), ("evaluate", "plots")])
+def test_an_output_folder_that_cannot_be_written_stops_the_stage_before_it_starts(tmp_path, stage, in_the_way):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / in_the_way).write_text("not a folder")
+    proc = run_cli("--profile", "ci", stage, f"data_dir={data}")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"rlhf {stage}: error: {data / in_the_way}: a file is in the way of this output folder; move it away"
+    ]
+    assert sorted(p.name for p in data.iterdir()) == [in_the_way]  # nothing was started, nothing written
+
+
+@pytest.mark.slow
+def test_a_second_run_of_a_stage_in_the_same_folder_is_refused_while_the_first_runs(ci_data):
+    cli = [sys.executable, "-m", "rlhf.cli", "--params", str(PARAMS), "--profile", "ci", "train", f"data_dir={ci_data}"]
+    settings = ["tracking.wandb_mode=disabled"]
+    first = subprocess.Popen([*cli, *settings, "train.total_episodes=8000"], cwd=ROOT, stderr=subprocess.DEVNULL)
+    try:
+        lock = ci_data / ".locks" / "train.lock"
+        deadline = time.monotonic() + 120
+        while not (lock.exists() and lock.read_text() == str(first.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        second = run_cli("--profile", "ci", "train", f"data_dir={ci_data}", *settings)
+        assert second.returncode == 1
+        assert second.stderr.strip().splitlines() == [
+            f"rlhf train: error: another `rlhf train` (pid {first.pid}) is writing the outputs in {ci_data}: wait for "
+            "it to finish or stop it; two runs would overwrite each other's results"
+        ]
+    finally:
+        first.kill()
+        first.wait()
+    # the killed run's lock is stale (the kernel released it): the next run takes it over
+    third = run_cli("--profile", "ci", "train", f"data_dir={ci_data}", *settings, "train.total_episodes=8", timeout=300)
+    assert third.returncode == 0, third.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -192,8 +271,8 @@ def test_loss_going_nan_stops_training_and_keeps_the_last_checkpoint(stopped):
     _fill_nan(data / "sft", loading.load_causal_lm)
     with pytest.raises(
         RuntimeError,
-        match=rf"loss became nan at batch 1 \(trainer ppo\); the last good checkpoint in "
-        rf"{re.escape(str(ckpt.parent))} is intact",
+        match=rf"loss became nan at batch 1 \(trainer ppo\); the last good checkpoint, "
+        rf"{re.escape(str(ckpt))}, is intact",
     ):
         train(ci_config(data, *STOPPED))
     _assert_only_the_good_checkpoint(data, ckpt, digest)

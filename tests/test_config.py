@@ -56,6 +56,10 @@ def test_overrides_keep_types_and_reach_nested_keys():
         ("train.tis_cap=2", "train.tis_cap weights policy-gradient advantages"),
         ("model.num_heads=4", "model.hidden_size / model.num_heads = 16: vLLM's CPU attention supports"),
         ("train.learning_rate", "must look like section.key=value"),
+        ("train.penalty_reward_value=.nan", "train.penalty_reward_value: Input should be a finite number"),
+        ("train.learning_rate=.inf", "train.learning_rate: Input should be a finite number"),
+        ("train.tis_cap=-.inf", "train.tis_cap: Input should be a finite number"),
+        ("train.engine_device=gpu", "train.engine_device: String should match pattern"),
     ],
 )
 def test_bad_values_fail_at_load_time_naming_the_key(override, message):
@@ -81,6 +85,43 @@ def test_malformed_yaml_and_wrong_top_level_name_the_file(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="params file not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_duplicate_keys_at_any_level_are_refused_with_both_lines(tmp_path):
+    params = tmp_path / "params.yaml"
+    params.write_text("profile: ci\ntrain:\n  trainer: ppo\nprofiles:\n  ci: {}\ntrain:\n  k: 4\n")
+    with pytest.raises(ConfigError, match=rf"{params}: duplicate key 'train' \(lines 2 and 6\): keep one"):
+        load_config(params)
+    params.write_text("profiles:\n  ci:\n    train:\n      k: 2\n      k: 3\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'k' \(lines 4 and 5\)"):
+        load_config(params, "ci")
+    with pytest.raises(ConfigError, match=r"override train: duplicate key 'k'"):
+        load_config(PARAMS, "ci", ["train={k: 2, k: 3}"])
+
+
+def test_the_profile_can_be_chosen_by_an_override_but_not_twice():
+    assert load_config(PARAMS, None, ["profile=smollm2"]).profile == "smollm2"
+    assert load_config(PARAMS, None, ["profile=smollm2"]).model.source == "smollm2"
+    with pytest.raises(ConfigError, match="the profile is given twice"):
+        load_config(PARAMS, "ci", ["profile=smollm2"])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("profile: [ci]\nprofiles: {ci: {}}\n", "unknown profile \\['ci'\\]"),
+        ("profile: ci\nprofiles: [ci]\n", "profiles must be a mapping"),
+        ("profile: ci\nprofiles: {ci: [train]}\n", "profiles.ci must be a mapping of sections"),
+        ("profile: ci\nprofiles: {ci: {trainers: [ppo]}}\n", "profiles.ci.trainers must be a mapping"),
+        ("profile: ci\nprofiles: {ci: {trainers: {ppo: 1}}}\n", "profiles.ci.trainers.ppo must be a mapping"),
+        ("profile: ci\nprofiles: {ci: {}}\ntrain: 5\n", "train: Input should be a valid dictionary"),
+    ],
+)
+def test_settings_of_the_wrong_yaml_type_name_the_key(tmp_path, text, message):
+    params = tmp_path / "params.yaml"
+    params.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(params)
 
 
 def test_non_utf8_params_file_is_named(tmp_path):

@@ -91,7 +91,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
     second = run_stage(crashed, trainer, crash="checkpoint_write:3")  # killed writing the checkpoint after 3 batches
     assert killed(second, 1), second.stderr[-3000:]
     assert "resumed from" in second.stdout + second.stderr
-    torn = ckpt_dir / ".tmp-batch-000003"
+    [torn] = ckpt_dir.glob(".tmp-batch-000003-*")  # named with the pid of the run writing it
     assert torn.is_dir() and not (torn / "trainer_state.json").exists()
     if trainer == "online_dpo_vllm":  # the weights of the batch the engine was sampling ahead are kept
         assert (ckpt_dir / "batch-000002" / "engine" / "v000001" / "model.safetensors").is_file()
@@ -104,7 +104,8 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
 
 def test_two_ranks_sharing_the_async_engine_resume_exactly(ci_data, tmp_path):
     """2 training processes (ZeRO-2), one vLLM engine on rank 0 sampling a batch ahead: SIGKILL both ranks after an
-    update, resume from the checkpoint (the ranks' states and the in-flight weights), get the uninterrupted result."""
+    update, resume from the newest checkpoint (the ranks' states and the in-flight weights; older ones pruned to
+    train.keep_checkpoints), get the uninterrupted result."""
     crashed = tmp_path / "crashed"
     shutil.copytree(ci_data, crashed)
     done = run_stage(ci_data, "online_dpo_vllm", processes=2)
@@ -112,12 +113,13 @@ def test_two_ranks_sharing_the_async_engine_resume_exactly(ci_data, tmp_path):
     with open(ci_data / "plots" / "train.csv") as f:
         assert [float(r["async/staleness"]) for r in csv.DictReader(f)] == [0.0, 1.0, 1.0, 1.0]
 
-    first = run_stage(crashed, "online_dpo_vllm", crash="after_update:2", processes=2)  # checkpoints after 1, 2
+    first = run_stage(crashed, "online_dpo_vllm", crash="after_update:3", processes=2)  # checkpoints after 1, 2, 3
     assert killed(first, 2), first.stderr[-3000:]
     [ckpt_dir] = (crashed / "checkpoints").iterdir()
-    latest = ckpt_dir / "batch-000002"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000002", "batch-000003"]  # keep_checkpoints: 2
+    latest = ckpt_dir / "batch-000003"
     assert {"rank_state_0.json", "rank_state_1.json", "trainer_state.json"} <= {p.name for p in latest.iterdir()}
-    assert (latest / "engine" / "v000001" / "model.safetensors").is_file()  # batch 2 is sampled with version 1
+    assert (latest / "engine" / "v000002" / "model.safetensors").is_file()  # batch 3 is sampled with version 2
 
     last = run_stage(crashed, "online_dpo_vllm", processes=2)
     assert last.returncode == 0, last.stderr[-3000:]

@@ -65,6 +65,9 @@ def gae(
     return advantages, returns
 
 
+MAX_LOG_RATIO = 20.0
+
+
 def policy_loss(
     logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -78,7 +81,9 @@ def policy_loss(
     # Zero padded inputs first: garbage (even inf/NaN) there can then reach neither the loss nor its gradient.
     log_ratio = torch.where(mask, logp, 0.0) - torch.where(mask, old_logp, 0.0)
     advantages = torch.where(mask, advantages, 0.0)
-    ratio = torch.exp(log_ratio)
+    # exp() overflows fp32 past a log-ratio of ~88: inf * 0 in the backward of the clipped branch is a NaN
+    # gradient. Capped at MAX_LOG_RATIO (r ~ 5e8, far outside any clip range) the loss and gradient stay finite.
+    ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     loss = masked_mean(torch.maximum(pg_losses, pg_losses_clipped), mask)

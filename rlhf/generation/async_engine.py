@@ -22,10 +22,11 @@ engine handles messages in order, so batch t is sampled with version >= t-N: sta
 
 Weights: load_weights copies the trainer's weights between optimizer steps into shared memory
 (weights.shared_snapshot: gathered under ZeRO-3) and only enqueues the message, which carries the memory's
-handle, not its bytes; the trainer never waits for the engine's reload. Once the engine acknowledges a version N
-newer than a copy, that copy's buffers are reused for the next version. The last N+1 copies are the weights of the
-batches still in flight: a checkpoint writes them to files (`weights_in_flight`) and a resume puts them back
-(`load_snapshot`), so a resumed run samples every batch with the same version as an uninterrupted one.
+handle, not its bytes; the trainer never waits for the engine's reload. A copy's buffers are reused for a later
+version once the engine has loaded a newer one and no checkpoint can need it (it is more than N old). The N
+newest copies before the current version are the weights of the batches still in flight: a checkpoint writes
+them to files (`weights_in_flight`) and a resume puts them back (`load_snapshot`), so a resumed run samples every
+batch with the same version as an uninterrupted one.
 
 With max_staleness 0 this is the colocated engine in its own process (several training processes: rank 0 holds
 it, see rlhf.generation.shared): each batch is sampled after the previous update's weights arrived.
@@ -87,6 +88,7 @@ class AsyncEngine:
         self._ready: dict[int, tuple[Generated, dict]] = {}  # results read while waiting for something else
         self._snapshots: dict[int, SharedWeights] = {}  # version -> weights the engine may still need
         self._spare: list[SharedWeights] = []  # buffers of versions the engine is done with, to reuse
+        self._acked = 0  # the newest weight version the engine has loaded
         self._stats: dict[str, float] = {}
         self._snapshot_seconds = 0.0
         self._score = score if spec.reward is not None else "never"
@@ -146,8 +148,18 @@ class AsyncEngine:
     def load_weights(self, model: torch.nn.Module, version: int) -> None:
         """Copy `model`'s weights into shared memory and queue them; the engine loads them before its next batch."""
         start = time.perf_counter()
+        self._recycle(version)
         self._queue_weights(shared_snapshot(model, self._spare.pop() if self._spare else None), version)
         self._snapshot_seconds = time.perf_counter() - start
+
+    def _recycle(self, version: int) -> None:
+        """Before `version` is sent: the copies no checkpoint will need (older than version-N) and that the engine is
+        done with (it acknowledged a newer version) become spare buffers; their checkpoint files go."""
+        while self._proc.is_alive() and (msg := self._next_message(timeout=0)) is not None:  # acks so far
+            self._handle(msg)
+        for old in [v for v in self._snapshots if v < min(version - self.lookahead, self._acked)]:
+            self._spare = [self._snapshots.pop(old)]  # one spare set of buffers is enough
+            shutil.rmtree(self.work_dir / f"v{old:06d}", ignore_errors=True)
 
     def load_snapshot(self, folder: Path, version: int) -> None:
         """Queue weights a checkpoint wrote (`weights_in_flight`); `folder` stays untouched."""
@@ -240,10 +252,7 @@ class AsyncEngine:
                 stats["timing/scoring_engine"] = scoring
             self._ready[batch] = (gen, stats)
         elif kind == "ack":
-            _, version = msg
-            for old in [v for v in self._snapshots if v < version - self.lookahead]:
-                self._spare = [self._snapshots.pop(old)]  # one spare set of buffers is enough
-                shutil.rmtree(self.work_dir / f"v{old:06d}", ignore_errors=True)
+            self._acked = msg[1]
         elif kind == "ready":
             self.start_seconds = msg[1]
         elif kind == "error":

@@ -15,6 +15,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from accelerate.utils import broadcast_object_list
+
 from rlhf.io import read_json, write_json
 from rlhf.runtime import crash_point
 
@@ -44,14 +46,17 @@ def save(
     rank_state: dict,
     extra_files: dict[str, str] | None = None,
     extra_dirs: dict[str, Path] | None = None,
+    keep: int = 2,
 ) -> Path:
     """accelerate's save_state (model/optimizer/scheduler/RNG, DeepSpeed-aware) + our loop state, atomically.
 
     rank_state: this process's own state (every rank saves one); extra_files: name -> text; extra_dirs:
-    name -> a folder copied in (hard links where the disk allows). Main process only for the extras.
+    name -> a folder copied in (hard links where the disk allows). Main process only for the extras. Once the
+    new checkpoint is complete, only the newest `keep` remain.
     """
     final = folder / f"batch-{state.batch:06d}"
-    tmp = folder / f".tmp-batch-{state.batch:06d}"
+    # unique per run (rank 0's pid, shared with the other ranks): two runs never touch each other's temp folder
+    tmp = folder / broadcast_object_list([f".tmp-batch-{state.batch:06d}-{os.getpid()}"])[0]
     try:
         if accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -69,6 +74,7 @@ def save(
             write_json(tmp / STATE_FILE, asdict(state))
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
+            _prune(folder, keep)
     except BaseException as e:
         # A full disk must not stay full of a checkpoint that can never be loaded; earlier ones are untouched.
         if accelerator.is_main_process:
@@ -83,6 +89,13 @@ def save(
         raise
     accelerator.wait_for_everyone()
     return final
+
+
+def _prune(folder: Path, keep: int) -> None:
+    """Delete complete checkpoints older than the newest `keep` (a resume needs the newest one only)."""
+    done = sorted((p for p in folder.glob("batch-*") if (p / STATE_FILE).is_file()), key=lambda p: p.name)
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _link_or_copy(src: str, dst: str) -> None:

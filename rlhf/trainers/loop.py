@@ -164,16 +164,23 @@ def collect(run: Run, t: int, clock: Clock) -> Collected:
 def _scores(run: Run, t: int, gen: Generated, inputs: ModelInput, texts: list[str]) -> torch.Tensor:
     """Step 4: one reward per sample (N,) on the learner's device, after the missing-EOS penalty."""
     c, device = run.cfg.train, run.acc.device
-    raw = (gen.scores if gen.scores is not None else run.reward_fn(inputs, texts)).to(device)
-    if not torch.isfinite(raw).all():  # a NaN score would silently poison every later update
-        bad = int((~torch.isfinite(raw)).sum())
-        raise RuntimeError(
-            f"the reward ({c.reward}) returned NaN/inf for {bad} of {len(raw)} samples at batch {t} "
-            f"(trainer {c.trainer}); the last good checkpoint in {run.ckpt_dir} is intact"
-        )
-    if not c.non_eos_penalty:
-        return raw
-    return apply_missing_eos_penalty(raw, inputs.has_eos, c.penalty_reward_value)
+    scores = (gen.scores if gen.scores is not None else run.reward_fn(inputs, texts)).to(device)
+    if c.non_eos_penalty:
+        scores = apply_missing_eos_penalty(scores, inputs.has_eos, c.penalty_reward_value)
+    if not torch.isfinite(scores).all():  # a NaN score would silently poison every later update
+        bad = int((~torch.isfinite(scores)).sum())
+        raise _stopped(run, t, f"the reward ({c.reward}) returned NaN/inf for {bad} of {len(scores)} samples")
+    return scores
+
+
+def _stopped(run: Run, t: int, what: str) -> RuntimeError:
+    """The error that stops a run whose numbers went bad at batch t, saying what a re-run resumes from."""
+    c, last = run.cfg.train, checkpoint.latest(run.ckpt_dir)
+    if last is not None:
+        where = f"the last good checkpoint, {last}, is intact: fix the cause and run the stage again to resume from it"
+    else:
+        where = "no checkpoint was saved yet" + (" (train.save_every=0)" if not c.save_every else "")
+    return RuntimeError(f"{what} at batch {t} (trainer {c.trainer}); {where}")
 
 
 @torch.no_grad()
@@ -232,19 +239,27 @@ def _micro_step(run: Run, mb: dict[str, torch.Tensor], t: int) -> dict[str, floa
     with acc.accumulate(run.model):
         loss, stats = run.objective.loss(run.model, mb)
         if not torch.isfinite(loss):
-            raise RuntimeError(
-                f"loss became {loss.item()} at batch {t} (trainer {c.trainer}); "
-                f"the last good checkpoint in {run.ckpt_dir} is intact"
-            )
+            raise _stopped(run, t, f"loss became {loss.item()}")
         acc.backward(loss)
         if acc.sync_gradients:
-            norm = acc.clip_grad_norm_(run.model.parameters(), c.max_grad_norm)
-            if norm is not None:  # DeepSpeed clips inside its step and returns none
-                stats["policy/grad_norm"] = float(norm)
+            norm = _clip_gradients(run, c.max_grad_norm)
+            if norm is not None and not torch.isfinite(norm):  # a finite loss can still overflow in its backward
+                raise _stopped(run, t, f"the gradient norm became {norm.item()}")
+            if norm is not None:
+                stats["policy/grad_norm"] = norm.item()
         run.optimizer.step()
         run.scheduler.step()
         run.optimizer.zero_grad()
     return stats
+
+
+def _clip_gradients(run: Run, max_norm: float) -> torch.Tensor | None:
+    """Clip the gradients to `max_norm`; their global norm before clipping (DeepSpeed clips inside its step, which
+    accelerate runs in backward: the norm it computed; None if it has none)."""
+    norm = run.acc.clip_grad_norm_(run.model.parameters(), max_norm)
+    if norm is None and hasattr(run.model, "get_global_grad_norm"):
+        norm = run.model.get_global_grad_norm()
+    return None if norm is None else torch.as_tensor(norm, dtype=torch.float32)
 
 
 def sync(run: Run, state: checkpoint.LoopState, t: int) -> None:
@@ -323,6 +338,7 @@ def save(run: Run, tracker: Tracker, state: checkpoint.LoopState) -> None:
         {"shuffle_rng": run.shuffle.get_state().tolist()},
         extra_files={ROWS_FILE: json.dumps(tracker.rows), CONFIG_FILE: config_yaml(run.cfg)},
         extra_dirs={f"engine/v{v:06d}": folder for v, folder in in_flight.items()},
+        keep=run.cfg.train.keep_checkpoints,
     )
 
 

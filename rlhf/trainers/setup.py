@@ -8,7 +8,6 @@ SFT folder, once everything that can fail on a bad input has been loaded.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
 from rlhf.models.loading import load_tokenizer
 from rlhf.presets import resolve
 from rlhf.rewards.proxy import GoldReward, RewardSpec
+from rlhf.runtime import env_int
 from rlhf.trainers.objectives import OBJECTIVES, Objective
 
 
@@ -198,8 +198,8 @@ def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
 
 def _launch() -> tuple[int, int, torch.device]:
     """(rank, world size, rank's device) from the launcher's environment, before the Accelerator exists."""
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1, minimum=1)
+    local = env_int("LOCAL_RANK", 0)
     return rank, world, torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -250,7 +250,7 @@ def _make_engine(cfg: Config, name: str, policy, tokenizer, prompts, reward: Rew
 
 def _setup_accelerator(c: TrainConfig) -> Accelerator:
     # On CPU, accelerate needs gloo spelled out or it believes there is one process (platform.md).
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    distributed = env_int("WORLD_SIZE", 1, minimum=1) > 1
     kwargs = [InitProcessGroupKwargs(backend="gloo")] if distributed and not torch.cuda.is_available() else []
     acc = Accelerator(
         gradient_accumulation_steps=c.gradient_accumulation_steps,

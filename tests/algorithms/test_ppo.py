@@ -188,3 +188,17 @@ def test_value_loss_padding_changes_nothing():
     b = value_loss(t([[1.0, 0.0, NAN]]), t([[0.5, 0.5, INF]]), t([[0.0, 0.0, -INF]]), mask, 0.2)
     assert_close(a[0], b[0])
     assert_close(a[1], b[1])
+
+
+def test_an_overflowing_ratio_keeps_the_loss_and_its_gradient_finite():
+    """A log-ratio of 100 is inf in fp32 once exponentiated; the clipped loss must not turn it into NaN gradients."""
+    for advantage in (1.0, -1.0):
+        logp = torch.tensor([[100.0, -1.0]], requires_grad=True)
+        old = torch.tensor([[0.0, -1.0]])
+        loss, stats = policy_loss(logp, old, torch.full((1, 2), advantage), torch.ones(1, 2, dtype=torch.bool), 0.2)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and torch.isfinite(stats["ratio"])
+    # below the cap nothing changes: r = e^1 on the first token, clipped to 1.2 for a positive advantage
+    logp = torch.tensor([[1.0, 0.0]])
+    loss, _ = policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), 0.2)
+    assert_close(loss, torch.tensor(-(1.2 + 1.0) / 2))
