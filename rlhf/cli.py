@@ -19,6 +19,7 @@ import traceback
 from rlhf.config import DEFAULT_PARAMS, ConfigError, config_yaml, load_config
 from rlhf.io import check_writable, stage_lock
 from rlhf.presets import PRESETS, describe
+from rlhf.stages import built_with
 
 # The folder each stage writes under data_dir (besides metrics/<stage>.json and plots/), as dvc.yaml declares.
 STAGE_OUTPUTS = {
@@ -127,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         outputs = [cfg.path(STAGE_OUTPUTS[args.command]), cfg.path("metrics"), cfg.path("plots")]
         check_writable(outputs + ([cfg.path("checkpoints")] if args.command == "train" else []))
+        built_with.check_inputs(cfg, args.command)
         with stage_lock(cfg.data_dir, args.command, rank=runtime.env_int("RANK", 0)):
             importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
+            if runtime.env_int("RANK", 0) == 0:
+                built_with.record(cfg, args.command, STAGE_OUTPUTS[args.command])
         record_stage_cost(args.command, cfg.profile)
         return 0
     except KeyboardInterrupt:

@@ -226,6 +226,22 @@ def test_wandb_online_without_a_key_is_one_line(ci_data, tmp_path):
     assert "Traceback" not in proc.stderr and not (ci_data / "train" / "policy").exists()
 
 
+def test_a_stage_over_inputs_built_with_other_settings_names_the_stage_to_re_run(tmp_path):
+    data = tmp_path / "data"
+    built = run_cli("--profile", "ci", "prepare", f"data_dir={data}", timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert json.loads((data / "prepared" / "built_with.json").read_text())["settings"]["data.n_sft"] == 400
+    proc = run_cli("--profile", "ci", "gold", f"data_dir={data}", "data.n_sft=300")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"rlhf gold: error: {data / 'prepared'} was built with other settings (data.n_sft: 400 then, 300 now; "
+        "profile ci then, ci now; 1 setting(s) differ): re-run `rlhf prepare` and the stages after it, or `dvc repro`"
+    ]
+    assert not (data / "gold").exists()
+    other_profile = run_cli("--profile", "tiny", "gold", f"data_dir={data}")  # the case: ci data, tiny run
+    assert other_profile.returncode == 1 and "profile ci then, tiny now" in other_profile.stderr
+
+
 @pytest.mark.parametrize("stage, in_the_way", [("train", "train"), ("gold", "metrics"), ("evaluate", "plots")])
 def test_an_output_folder_that_cannot_be_written_stops_the_stage_before_it_starts(tmp_path, stage, in_the_way):
     data = tmp_path / "data"
