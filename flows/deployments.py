@@ -112,11 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flows.deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--port", type=int, default=int(os.environ.get("PREFECT_PORT", DEFAULT_PORT)))
+    from rlhf import runtime
+
+    parser.add_argument("--port", type=int, default=None, help="default: $PREFECT_PORT, else 4200")
     parser.add_argument("--limit", type=int, default=1, help="flow runs at once (default 1: a run uses the whole CPU)")
     args = parser.parse_args(argv)
-
-    from rlhf import runtime
+    try:
+        args.port = args.port or runtime.env_int("PREFECT_PORT", DEFAULT_PORT, minimum=1)
+    except ValueError as e:
+        parser.error(str(e))  # one line, exit 2
 
     runtime.configure()  # offline, quiet, PREFECT_HOME=.cache/prefect: before prefect reads its settings
     api_url = f"http://{HOST}:{args.port}/api"

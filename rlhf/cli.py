@@ -10,11 +10,13 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 from rlhf.config import DEFAULT_PARAMS, ConfigError, config_yaml, load_config
 from rlhf.io import check_writable, stage_lock
@@ -41,6 +43,14 @@ HELP = {
     "generate": "near-greedy generations of the trained and SFT policies on the eval prompts",
     "evaluate": "gold win-rates, KL to the SFT policy and proxy reward of the generations",
 }
+
+
+def lock_file(data_dir: str, stage: str) -> Path:
+    """The lock of `rlhf <stage>` on `data_dir` (rlhf.io.stage_lock), in the project's cache, keyed by the folder."""
+    from rlhf import runtime
+
+    key = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:16]
+    return runtime.CACHE / "locks" / f"{stage}-{key}.lock"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         outputs = [cfg.path(STAGE_OUTPUTS[args.command]), cfg.path("metrics"), cfg.path("plots")]
         check_writable(outputs + ([cfg.path("checkpoints")] if args.command == "train" else []))
         built_with.check_inputs(cfg, args.command)
-        with stage_lock(cfg.data_dir, args.command, rank=runtime.env_int("RANK", 0)):
+        with stage_lock(lock_file(cfg.data_dir, args.command), args.command, cfg.data_dir, runtime.env_int("RANK", 0)):
             importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
             if runtime.env_int("RANK", 0) == 0:
                 built_with.record(cfg, args.command, STAGE_OUTPUTS[args.command])

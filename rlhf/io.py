@@ -68,20 +68,20 @@ def package_file(package: str, relative: str, install_hint: str) -> Path:
 
 
 @contextlib.contextmanager
-def stage_lock(data_dir: Path | str, stage: str, rank: int = 0) -> Iterator[None]:
+def stage_lock(lock_file: Path, stage: str, data_dir: Path | str, rank: int = 0) -> Iterator[None]:
     """One `rlhf <stage>` per data folder at a time: a second one is refused, naming the process that holds it.
 
-    An flock on data_dir/.locks/<stage>.lock: the kernel releases it when its holder dies, so the lock of a killed
-    run is stale by construction and the next run takes it over. `rank` 0 only under a multi-process launcher.
+    An flock on `lock_file` (outside data_dir: a failed stage leaves nothing there): the kernel releases it when
+    its holder dies, so the lock of a killed run is stale by construction and the next run takes it over. `rank` 0
+    only under a multi-process launcher.
     """
     if rank != 0:
         yield
         return
     import fcntl
 
-    path = Path(data_dir) / ".locks" / f"{stage}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+", encoding="utf-8") as f:
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a+", encoding="utf-8") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -28,6 +28,7 @@ import wandb
 from accelerate import Accelerator
 from conftest import PARAMS, ROOT, ci_config, folder_digest, free_port, isolated_env, make_dvc_repo, run_cli, run_ok
 
+from rlhf.cli import lock_file
 from rlhf.config import Config, TrackingConfig
 from rlhf.models import loading
 from rlhf.tracking import STEP, Tracker, wandb_mode
@@ -177,7 +178,7 @@ def test_reward_returning_nan_stops_training_and_keeps_the_last_checkpoint(stopp
     _fill_nan(data / "reward" / "model", loading.load_reward_model)
     with pytest.raises(
         RuntimeError,
-        match=rf"the reward \(proxy\) returned NaN/inf for 16 of 16 samples at batch 1 \(trainer ppo\); the last "
+        match=rf"the reward \(proxy\) returned NaN/inf for \d+ of 16 samples at batch 1 \(trainer ppo\); the last "
         rf"good checkpoint, {re.escape(str(ckpt))}, is intact: fix the cause and run the stage again",
     ):
         train(ci_config(data, *STOPPED))
@@ -212,6 +213,17 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
     ]
     with pytest.raises(ValueError, match="environment variable WANDB_MODE='offlne': expected one of online, offline"):
         wandb_mode("offline", {"WANDB_MODE": "offlne"})
+    serve = subprocess.run(
+        [sys.executable, "-m", "flows.deployments"],
+        cwd=ROOT,
+        env={**os.environ, "PREFECT_PORT": "42OO"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert serve.returncode == 2 and serve.stderr.strip().splitlines()[-1] == (
+        "python -m flows.deployments: error: environment variable PREFECT_PORT='42OO': expected an integer >= 1"
+    )
 
 
 def test_wandb_online_without_a_key_is_one_line(ci_data, tmp_path):
@@ -261,7 +273,7 @@ def test_a_second_run_of_a_stage_in_the_same_folder_is_refused_while_the_first_r
     settings = ["tracking.wandb_mode=disabled"]
     first = subprocess.Popen([*cli, *settings, "train.total_episodes=8000"], cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
-        lock = ci_data / ".locks" / "train.lock"
+        lock = lock_file(str(ci_data), "train")
         deadline = time.monotonic() + 120
         while not (lock.exists() and lock.read_text() == str(first.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -85,7 +85,15 @@ def make_engine(
         raise FileNotFoundError(
             f"{model_folder / 'config.json'}: missing; the vLLM engine needs a saved HF model folder"
         )
+    if name == "vllm_async" and max_staleness < 1:
+        raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
     common = dict(seed=seed, max_model_len=max_model_len, dtype=dtype, **ids)
+    lookahead = max_staleness if name == "vllm_async" else 0
+    return _vllm_engine(model_folder, common, where, lookahead, work_dir, reward, score)
+
+
+def _vllm_engine(model_folder: Path, common: dict, where: Placement, lookahead: int, work_dir: Path, reward, score):
+    """VLLMEngine in this process, or in its own behind an AsyncEngine, as `where` says."""
     if not where.own_process:
         from rlhf.generation.vllm import VLLMEngine
 
@@ -95,15 +103,7 @@ def make_engine(
     from rlhf.generation.async_engine import AsyncEngine
     from rlhf.generation.engine_process import EngineSpec
 
-    if name == "vllm_async" and max_staleness < 1:
-        raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
-    spec = EngineSpec(
-        str(model_folder),
-        **common,
-        reward=reward,
-        device=where.device,
-        gpu_memory_utilization=where.gpu_memory_utilization,
-    )
+    memory = where.gpu_memory_utilization
+    spec = EngineSpec(str(model_folder), **common, reward=reward, device=where.device, gpu_memory_utilization=memory)
     work_dir.mkdir(parents=True, exist_ok=True)
-    lookahead = max_staleness if name == "vllm_async" else 0
     return AsyncEngine(spec, work_dir, max_staleness=lookahead, score=score if reward is not None else "never")

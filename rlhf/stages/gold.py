@@ -22,7 +22,6 @@ def run(cfg: Config) -> dict:
     start = time.perf_counter()
     judge = GoldJudge.fit(train["text"].tolist(), train["label"].to_numpy(), cfg.gold)
     fit_seconds = time.perf_counter() - start
-    judge.save(cfg.path("gold"))
 
     labels = test["label"].to_numpy()
     correct = (judge.score(test["text"].tolist()) > 0.5) == labels
@@ -38,6 +37,7 @@ def run(cfg: Config) -> dict:
         "fit_seconds": round(fit_seconds, 2),
     }
     write_json(cfg.path("metrics", "gold.json"), metrics)
+    judge.save(cfg.path("gold"))  # last, atomic: a failure before it leaves the previous judge in place
     by_source = ", ".join(f"{s} {a:.3f}" for s, a in metrics["accuracy_by_source"].items())
     print(
         f"gold: held-out accuracy {metrics['accuracy']:.3f} ({by_source}) on {len(test)} texts; "

@@ -350,12 +350,14 @@ def finish(run: Run, tracker: Tracker, state: checkpoint.LoopState) -> dict:
     if acc.is_main_process:
         if isinstance(acc.unwrap_model(run.model), PolicyAndValueWrapper):
             full_state = {k.removeprefix("policy."): v for k, v in full_state.items() if k.startswith("policy.")}
+        # The outputs go together: the metrics are written while the new policy is still a temporary folder,
+        # so a failure there leaves the previous policy, not a new policy beside old metrics.
         with atomic_dir(cfg.path("train", "policy")) as tmp:
             run.policy.save_pretrained(tmp, state_dict=full_state, safe_serialization=True)
             run.tokenizer.save_pretrained(tmp)
-        write_text(cfg.path("train", CONFIG_FILE), config_yaml(cfg))
-        final = final_metrics(tracker.rows, state)
-        tracker.finish(final)
+            write_text(cfg.path("train", CONFIG_FILE), config_yaml(cfg))
+            final = final_metrics(tracker.rows, state)
+            tracker.finish(final)
     acc.wait_for_everyone()
     return final
 
