@@ -26,9 +26,22 @@ def ci_config(data_dir, *overrides):
     return load_config(PARAMS, "ci", [f"data_dir={data_dir}", "tracking.wandb_mode=disabled", *overrides])
 
 
+def rlhf_command(*args, params=PARAMS, launcher=()) -> list[str]:
+    """`rlhf --params PARAMS ARGS...` as a command line; under `launcher` (e.g. `accelerate_launch(...)`,
+    `torchrun ...`) it runs in the project's environment (rlhf.runtime) as `make` would start it."""
+    cli = ["-m", "rlhf.cli", "--params", str(params), *args]
+    return [sys.executable, "-m", "rlhf.runtime", *launcher, *cli] if launcher else [sys.executable, *cli]
+
+
+def accelerate_launch(zero: str, processes: int = 2) -> list[str]:
+    """accelerate launch with configs/<zero>.yaml (DeepSpeed ZeRO-2/3) and `processes` training processes."""
+    config = str(ROOT / "configs" / f"{zero}.yaml")
+    return ["accelerate", "launch", "--config_file", config, "--num_processes", str(processes)]
+
+
 def run_cli(*args, params=PARAMS, timeout=120, env=None):
     """`rlhf --params PARAMS ARGS...` in a fresh process, as a user runs it (exit status and stderr are checked)."""
-    cmd = [sys.executable, "-m", "rlhf.cli", "--params", str(params), *args]
+    cmd = rlhf_command(*args, params=params)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 

@@ -4,13 +4,12 @@ import csv
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
 import torch
-from conftest import ROOT, ci_config
+from conftest import ROOT, accelerate_launch, ci_config, rlhf_command
 from test_resume import results
 from transformers import AutoModelForCausalLM
 
@@ -60,21 +59,8 @@ def test_colocated_vllm_preset_generates_with_current_weights(ci_data):
 
 
 def test_killing_the_engine_process_stops_training_with_a_clear_error(ci_data):
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlhf.cli",
-        "--params",
-        str(ROOT / "params.yaml"),
-        "--profile",
-        "ci",
-        "train",
-        "--trainer",
-        "online_dpo_vllm",
-        f"data_dir={ci_data}",
-        "tracking.wandb_mode=disabled",
-        "train.total_episodes=4000",
-    ]
+    settings = [f"data_dir={ci_data}", "tracking.wandb_mode=disabled", "train.total_episodes=4000"]
+    cmd = rlhf_command("--profile", "ci", "train", "--trainer", "online_dpo_vllm", *settings)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 240
@@ -100,10 +86,8 @@ def test_killing_the_engine_process_stops_training_with_a_clear_error(ci_data):
 
 def launch(ci_data, zero: str, trainer: str, *settings: str, processes: int = 2) -> list[str]:
     """The command line of `rlhf train` under accelerate launch with a DeepSpeed config, on the `ci` profile."""
-    config = str(ROOT / "configs" / f"{zero}.yaml")
-    accelerate = ["accelerate", "launch", "--config_file", config, "--num_processes", str(processes)]
-    cli = ["-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train", "--trainer", trainer]
-    return [sys.executable, "-m", "rlhf.runtime", *accelerate, *cli, f"data_dir={ci_data}", *settings]
+    cli = ["--profile", "ci", "train", "--trainer", trainer, f"data_dir={ci_data}", *settings]
+    return rlhf_command(*cli, launcher=accelerate_launch(zero, processes))
 
 
 MULTI_RANK = {  # trainer, DeepSpeed config, settings: 2 training processes sharing one vLLM engine

@@ -26,7 +26,18 @@ import pytest
 import torch
 import wandb
 from accelerate import Accelerator
-from conftest import PARAMS, ROOT, ci_config, folder_digest, free_port, isolated_env, make_dvc_repo, run_cli, run_ok
+from conftest import (
+    PARAMS,
+    ROOT,
+    ci_config,
+    folder_digest,
+    free_port,
+    isolated_env,
+    make_dvc_repo,
+    rlhf_command,
+    run_cli,
+    run_ok,
+)
 
 from rlhf.cli import lock_file
 from rlhf.config import Config, TrackingConfig
@@ -77,20 +88,8 @@ def test_non_utf8_reviews_csv_fails_prepare_naming_the_file(tmp_path):
 
 
 def test_sigterm_stops_a_stage_like_ctrl_c(ci_data):
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlhf.cli",
-        "--params",
-        str(PARAMS),
-        "--profile",
-        "ci",
-        "train",
-        f"data_dir={ci_data}",
-        "tracking.wandb_mode=disabled",
-        "train.total_episodes=800",
-        "train.save_every=1",
-    ]
+    settings = ["tracking.wandb_mode=disabled", "train.total_episodes=800", "train.save_every=1"]
+    cmd = rlhf_command("--profile", "ci", "train", f"data_dir={ci_data}", *settings)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (ci_data / "checkpoints").exists() and time.time() < deadline:  # training is under way
@@ -269,15 +268,15 @@ def test_an_output_folder_that_cannot_be_written_stops_the_stage_before_it_start
 
 @pytest.mark.slow
 def test_a_second_run_of_a_stage_in_the_same_folder_is_refused_while_the_first_runs(ci_data):
-    cli = [sys.executable, "-m", "rlhf.cli", "--params", str(PARAMS), "--profile", "ci", "train", f"data_dir={ci_data}"]
-    settings = ["tracking.wandb_mode=disabled"]
-    first = subprocess.Popen([*cli, *settings, "train.total_episodes=8000"], cwd=ROOT, stderr=subprocess.DEVNULL)
+    settings = [f"data_dir={ci_data}", "tracking.wandb_mode=disabled"]
+    cmd = rlhf_command("--profile", "ci", "train", *settings, "train.total_episodes=8000")
+    first = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         lock = lock_file(str(ci_data), "train")
         deadline = time.monotonic() + 120
         while not (lock.exists() and lock.read_text() == str(first.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        second = run_cli("--profile", "ci", "train", f"data_dir={ci_data}", *settings)
+        second = run_cli("--profile", "ci", "train", *settings)
         assert second.returncode == 1
         assert second.stderr.strip().splitlines() == [
             f"rlhf train: error: another `rlhf train` (pid {first.pid}) is writing the outputs in {ci_data}: wait for "
@@ -287,7 +286,7 @@ def test_a_second_run_of_a_stage_in_the_same_folder_is_refused_while_the_first_r
         first.kill()
         first.wait()
     # the killed run's lock is stale (the kernel released it): the next run takes it over
-    third = run_cli("--profile", "ci", "train", f"data_dir={ci_data}", *settings, "train.total_episodes=8", timeout=300)
+    third = run_cli("--profile", "ci", "train", *settings, "train.total_episodes=8", timeout=300)
     assert third.returncode == 0, third.stderr[-2000:]
 
 

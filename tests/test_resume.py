@@ -12,10 +12,9 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, accelerate_launch, rlhf_command
 
 pytestmark = pytest.mark.slow
 
@@ -27,27 +26,10 @@ def run_stage(data_dir, trainer, crash=None, processes=1):
     env = {k: v for k, v in os.environ.items() if k != "RLHF_CRASH_AT"}
     if crash:
         env["RLHF_CRASH_AT"] = crash
-    launcher = [sys.executable]
-    if processes > 1:
-        config = str(ROOT / "configs" / "zero2.yaml")
-        launcher += ["-m", "rlhf.runtime", "accelerate", "launch", "--config_file", config]
-        launcher += ["--num_processes", str(processes)]
-    cmd = [
-        *launcher,
-        "-m",
-        "rlhf.cli",
-        "--params",
-        str(ROOT / "params.yaml"),
-        "--profile",
-        "ci",
-        "train",
-        "--trainer",
-        trainer,
-        f"data_dir={data_dir}",
-        "tracking.wandb_mode=disabled",
-        "train.save_every=1",
-        f"train.total_episodes={EPISODES * processes}",
-    ]
+    settings = [f"data_dir={data_dir}", "tracking.wandb_mode=disabled", "train.save_every=1"]
+    settings.append(f"train.total_episodes={EPISODES * processes}")
+    launcher = accelerate_launch("zero2", processes) if processes > 1 else ()
+    cmd = rlhf_command("--profile", "ci", "train", "--trainer", trainer, *settings, launcher=launcher)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -5,11 +5,10 @@ import math
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, ci_config
+from conftest import ROOT, accelerate_launch, ci_config, rlhf_command
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import load_config
@@ -83,17 +82,16 @@ def test_prompt_batches_are_disjoint_within_an_epoch_and_pure_functions_of_the_s
 
 
 LAUNCHERS = {  # two training processes each: DeepSpeed ZeRO-2 and ZeRO-3 through accelerate, and plain DDP
-    "zero2": ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml"), "--num_processes", "2"],
-    "zero3": ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero3.yaml"), "--num_processes", "2"],
+    "zero2": accelerate_launch("zero2"),
+    "zero3": accelerate_launch("zero3"),
     "ddp": ["torchrun", "--standalone", "--nproc_per_node", "2"],
 }
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_two_processes_train_step_the_schedule_once_per_update_and_save_a_reloadable_policy(ci_data, launcher):
-    cli = ["-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", "train", "--trainer", "ppo"]
     settings = [f"data_dir={ci_data}", "tracking.wandb_mode=disabled", "train.total_episodes=32"]
-    cmd = [sys.executable, "-m", "rlhf.runtime", *LAUNCHERS[launcher], *cli, *settings]
+    cmd = rlhf_command("--profile", "ci", "train", "--trainer", "ppo", *settings, launcher=LAUNCHERS[launcher])
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"} if launcher == "ddp" else None  # torchrun: accelerate's CPU DDP
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -119,18 +117,7 @@ def test_a_run_writes_nothing_into_the_users_home(ci_data, tmp_path):
         if not k.startswith(("HF_", "WANDB_", "PREFECT_", "XDG_", "TORCH_", "VLLM_", "DVC_"))
     }
     env["HOME"] = str(home)
-    cmd = [
-        sys.executable,
-        "-m",
-        "rlhf.cli",
-        "--params",
-        str(ROOT / "params.yaml"),
-        "--profile",
-        "ci",
-        "train",
-        f"data_dir={ci_data}",
-        "tracking.wandb_mode=offline",
-    ]
+    cmd = rlhf_command("--profile", "ci", "train", f"data_dir={ci_data}", "tracking.wandb_mode=offline")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []

@@ -179,6 +179,7 @@ def test_colocated_logprobs_are_tempered_and_prompt_major(policy, colocated):
 
 def test_colocated_sampling_is_seeded_and_streams_are_distinct(policy, colocated):
     folder, tok = policy
+    colocated.load_weights(loading.load_causal_lm(folder), version=4)  # the untrained weights, whatever ran before
     same = prompt_ids(tok, ["the movie was"] * 2)
     params = SamplingParams(k=2, max_new_tokens=12, temperature=1.0)
     first = colocated.generate(same, params, batch=5)

@@ -46,8 +46,10 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
     if len(cores) > 1:
         os.sched_setaffinity(0, {cores[-1]})  # its own core; the trainer keeps the others
     torch.set_num_threads(1)
+    device = "cpu"
     if spec.device.startswith("cuda"):  # before CUDA starts: this process, vLLM included, sees its GPU only
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.device.partition(":")[2] or "0"
+        device = "cuda:0"  # that GPU, as this process numbers it
     outbox = _Sender(results)
     try:
         engine = VLLMEngine(
@@ -58,9 +60,9 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
             spec.max_model_len,
             spec.dtype,
             spec.gpu_memory_utilization,
-            "cuda:0" if spec.device.startswith("cuda") else spec.device,  # its only visible GPU
+            device,
         )
-        scorer = _Scorer(spec) if spec.reward is not None else None
+        scorer = _Scorer(spec, torch.device(device)) if spec.reward is not None else None
         outbox.send(("ready", engine.start_seconds))
         _serve(engine, scorer, inbox, outbox, stop, parent_pid)
     except BaseException:
@@ -104,12 +106,11 @@ def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> 
 class _Scorer:
     """The run's reward function inside the engine process, fed exactly what the learner would feed it."""
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: EngineSpec, device: torch.device):
+        """device: the engine's, where the reward model scores beside vLLM."""
         from rlhf.models.loading import load_tokenizer
 
-        self.reward_fn = spec.reward.build()
-        if spec.device.startswith("cuda"):  # beside vLLM on the engine's GPU
-            self.reward_fn = self.reward_fn.placed(lambda m: m.to("cuda:0"), torch.device("cuda:0"))
+        self.reward_fn = spec.reward.build().placed(lambda m: m.to(device), device)
         self.tokenizer = load_tokenizer(Path(spec.model_folder)) if self.reward_fn.needs_texts else None
         self.pad, self.eos = spec.pad_token_id, spec.eos_token_id
 

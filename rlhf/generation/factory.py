@@ -37,7 +37,7 @@ def placement(name: str, setting: str, memory: float | None, world: int, learner
     own_process = name == "vllm_async" or world > 1 or device != learner
     if device == "cpu":
         return Placement(device, own_process, None)
-    shared = device == learner or (device.startswith("cuda") and int(device.split(":")[1]) < world)
+    shared = int(device.split(":")[1]) < world  # the training ranks hold cuda:0 .. cuda:W-1
     return Placement(device, own_process, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY))
 
 

@@ -62,23 +62,25 @@ class SharedWeights:
     def allocate(cls, state: dict[str, torch.Tensor]) -> SharedWeights:
         """Empty shared buffers laid out for `state`'s names, shapes and dtypes."""
         layout, sizes = [], {}
-        for name, t in state.items():
-            dtype = str(t.dtype).removeprefix("torch.")
-            layout.append((name, dtype, sizes.get(dtype, 0), tuple(t.shape)))
-            sizes[dtype] = sizes.get(dtype, 0) + t.numel()
+        for name, dtype, shape, numel in _entries(state):
+            layout.append((name, dtype, sizes.get(dtype, 0), shape))
+            sizes[dtype] = sizes.get(dtype, 0) + numel
         buffers = {d: torch.empty(n, dtype=getattr(torch, d)).share_memory_() for d, n in sizes.items()}
         return cls(buffers, layout)
 
     def fits(self, state: dict[str, torch.Tensor]) -> bool:
-        return [(n, d, s) for n, d, _, s in self.layout] == [
-            (n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in state.items()
-        ]
+        return [(n, d, s) for n, d, _, s in self.layout] == [(n, d, s) for n, d, s, _ in _entries(state)]
 
     def fill(self, state: dict[str, torch.Tensor]) -> SharedWeights:
         """Copy `state` (any device) into the buffers; returns self."""
         for (_, view), t in zip(self.tensors(), state.values(), strict=True):
             view.copy_(t)
         return self
+
+
+def _entries(state: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """(name, dtype name, shape, element count) of each tensor: what a SharedWeights layout records."""
+    return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel()) for n, t in state.items()]
 
 
 def shared_snapshot(model: torch.nn.Module, spare: SharedWeights | None = None) -> SharedWeights:

@@ -7,6 +7,7 @@ which folders a stage reads and which params sections decide it, is dvc.yaml's: 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import yaml
@@ -19,6 +20,7 @@ RECORD = "built_with.json"
 NOT_RESULTS = {"tracking", "train.keep_checkpoints", "train.save_every"}  # how a run logs or saves, not what it makes
 
 
+@functools.cache  # read once per process: the check and the record both use it
 def stage_graph(dvc_file: Path = PROJECT_ROOT / "dvc.yaml") -> dict[str, tuple[list[str], list[str]]]:
     """stage -> (the data folders it reads, the params sections that decide it), from dvc.yaml."""
     stages = yaml.safe_load(dvc_file.read_text(encoding="utf-8"))["stages"]

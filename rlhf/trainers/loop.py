@@ -257,7 +257,7 @@ def _clip_gradients(run: Run, max_norm: float) -> torch.Tensor | None:
     """Clip the gradients to `max_norm`; their global norm before clipping (DeepSpeed clips inside its step, which
     accelerate runs in backward: the norm it computed; None if it has none)."""
     norm = run.acc.clip_grad_norm_(run.model.parameters(), max_norm)
-    if norm is None and hasattr(run.model, "get_global_grad_norm"):
+    if norm is None and run.acc.state.deepspeed_plugin is not None:
         norm = run.model.get_global_grad_norm()
     return None if norm is None else torch.as_tensor(norm, dtype=torch.float32)
 

@@ -300,10 +300,12 @@ def load_rl_prompts(cfg: Config, tokenizer) -> list[list[int]]:
 
 def batch_prompts(prompts: list[list[int]], t: int, sizes: Sizes, rank: int, seed: int) -> list[list[int]]:
     """This rank's prompts of generated batch t: a pure function of t, so resume needs no dataloader state."""
+    orders: dict[int, torch.Tensor] = {}  # epoch -> its shuffle, drawn once per call (a batch spans <= 2 epochs)
     out = []
     start = t * sizes.batch + rank * sizes.local_batch
     for i in range(start, start + sizes.local_batch):
         epoch, j = divmod(i, len(prompts))
-        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch))
-        out.append(prompts[order[j]])
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch))
+        out.append(prompts[orders[epoch][j]])
     return out
