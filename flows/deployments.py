@@ -12,6 +12,8 @@ directory `make serve` started from (or $RLHF_PROJECT_DIR); one at a time by def
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import signal
 import socket
@@ -104,6 +106,23 @@ def stop_server(server: subprocess.Popen, timeout: float = 20.0) -> None:
             continue
 
 
+def check_prefect_settings() -> None:
+    """Prefect's own settings, validated here so a bad PREFECT_* variable is one line naming it, not the server's
+    traceback in its log and "exited before answering" here."""
+    import pydantic
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # prefect's import prints the same error as a traceback
+            from prefect.settings import Settings
+
+            Settings()
+    except pydantic.ValidationError as e:
+        first = e.errors()[0]
+        named = [k for k, v in os.environ.items() if k.startswith("PREFECT_") and v == str(first.get("input"))]
+        where = f"{named[0]}={first['input']!r}" if named else ".".join(map(str, first["loc"]))
+        raise ValueError(f"Prefect setting {where}: {first['msg']}") from None
+
+
 def _raise_interrupt(signum, frame):  # SIGTERM (a supervisor, a test) shuts down like Ctrl-C
     raise KeyboardInterrupt
 
@@ -123,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))  # one line, exit 2
 
     runtime.configure()  # offline, quiet, PREFECT_HOME=.cache/prefect: before prefect reads its settings
+    try:
+        check_prefect_settings()
+    except ValueError as e:
+        parser.error(str(e))
     api_url = f"http://{HOST}:{args.port}/api"
     os.environ["PREFECT_API_URL"] = api_url
     os.environ.setdefault("RLHF_PROJECT_DIR", os.getcwd())

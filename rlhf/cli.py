@@ -10,6 +10,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import importlib
 import os
@@ -152,8 +153,26 @@ def main(argv: list[str] | None = None) -> int:
         # Known failure modes carry a message naming the key/file; tracebacks only on request.
         if os.environ.get("RLHF_DEBUG"):
             traceback.print_exc()
-        print(f"rlhf {args.command}: error: {e}", file=sys.stderr)
+        print(f"rlhf {args.command}: error: {_describe(e)}", file=sys.stderr)
         return 1
+
+
+_OS_ADVICE = {
+    errno.ENOSPC: "the disk is full: free space and re-run",
+    errno.EDQUOT: "the disk quota is used up: free space and re-run",
+    errno.EACCES: "permission denied: fix the permissions and re-run",
+    errno.EPERM: "permission denied: fix the permissions and re-run",
+    errno.EROFS: "the file system is read-only: point data_dir elsewhere",
+    errno.EISDIR: "a folder is in the way of this file: move it away and re-run",
+    errno.ENOTDIR: "a file is in the way of this folder: move it away and re-run",
+}
+
+
+def _describe(e: BaseException) -> str:
+    """One line for the user: an OS error names the path and what to do, not an errno string."""
+    if isinstance(e, OSError) and e.errno in _OS_ADVICE and (e.filename2 or e.filename):
+        return f"{e.filename2 or e.filename}: {_OS_ADVICE[e.errno]}"
+    return str(e)
 
 
 if __name__ == "__main__":

@@ -212,17 +212,22 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
     ]
     with pytest.raises(ValueError, match="environment variable WANDB_MODE='offlne': expected one of online, offline"):
         wandb_mode("offline", {"WANDB_MODE": "offlne"})
-    serve = subprocess.run(
-        [sys.executable, "-m", "flows.deployments"],
-        cwd=ROOT,
-        env={**os.environ, "PREFECT_PORT": "42OO"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert serve.returncode == 2 and serve.stderr.strip().splitlines()[-1] == (
-        "python -m flows.deployments: error: environment variable PREFECT_PORT='42OO': expected an integer >= 1"
-    )
+    for variable, value, message in [
+        ("PREFECT_PORT", "42OO", "environment variable PREFECT_PORT='42OO': expected an integer >= 1"),
+        ("PREFECT_LOGGING_LEVEL", "LOUD", "Prefect setting PREFECT_LOGGING_LEVEL='LOUD': Input should be 'DEBUG', "),
+        ("PREFECT_SERVER_API_PORT", "x", "Prefect setting PREFECT_SERVER_API_PORT='x': Input should be a valid int"),
+    ]:
+        serve = subprocess.run(
+            [sys.executable, "-m", "flows.deployments"],
+            cwd=ROOT,
+            env={**os.environ, variable: value},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert serve.returncode == 2, serve.stderr[-2000:]
+        assert serve.stderr.strip().splitlines()[-1].startswith(f"python -m flows.deployments: error: {message}")
+        assert "Traceback" not in serve.stderr and "validation error" not in serve.stderr
 
 
 def test_wandb_online_without_a_key_is_one_line(ci_data, tmp_path):
@@ -264,6 +269,25 @@ def test_an_output_folder_that_cannot_be_written_stops_the_stage_before_it_start
         f"rlhf {stage}: error: {data / in_the_way}: a file is in the way of this output folder; move it away"
     ]
     assert sorted(p.name for p in data.iterdir()) == [in_the_way]  # nothing was started, nothing written
+
+
+@pytest.mark.parametrize("stage, change", [("prepare", "data.n_sft=300"), ("gold", "gold.c=1.0")])
+def test_a_stage_failing_at_its_last_write_keeps_its_previous_outputs_whole(tmp_path, stage, change):
+    data = tmp_path / "data"
+    for built in ("prepare", "gold")[: 1 + (stage == "gold")]:
+        assert run_cli("--profile", "ci", built, f"data_dir={data}", timeout=300).returncode == 0
+    output = data / ("prepared" if stage == "prepare" else "gold")
+    before = folder_digest(output)
+    metrics = data / "metrics" / f"{stage}.json"
+    metrics.unlink()
+    metrics.mkdir()  # the stage's very last write fails, after all its work (no root-proof way to deny a write)
+    proc = run_cli("--profile", "ci", stage, f"data_dir={data}", change, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"rlhf {stage}: error: {metrics}: a folder is in the way of this file: move it away and re-run"
+    ]
+    assert folder_digest(output) == before  # the previous outputs, whole: the new ones never moved in
+    assert sorted(p.name for p in data.iterdir()) == sorted(["metrics", "prepared", "gold"][: 2 + (stage == "gold")])
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from rlhf import runtime
 from rlhf.config import Config
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.sampling import sample
-from rlhf.io import write_json
+from rlhf.io import atomic_dir, write_json, write_text
 from rlhf.models.forward import response_logprobs
 from rlhf.rewards.proxy import ProxyReward
 
@@ -84,13 +84,12 @@ def run(cfg: Config) -> dict:
         ignore_index=True,
     )
     validate(results, EvalResults, "eval results")
-    save_splits({"results": results}, cfg.path("eval"))
-    write_json(cfg.path("metrics", "eval.json"), metrics)
-    cfg.path("plots").mkdir(parents=True, exist_ok=True)
     models = ["sft", "policy", "reference"]
-    pd.DataFrame({"model": models, "gold": [metrics[f"gold/{m}"] for m in models]}).to_csv(
-        cfg.path("plots", "eval_gold.csv"), index=False
-    )
+    plot = pd.DataFrame({"model": models, "gold": [metrics[f"gold/{m}"] for m in models]})
+    with atomic_dir(cfg.path("eval")) as tmp:  # outputs go together: metrics and plot before the results move in
+        save_splits({"results": results}, tmp)
+        write_json(cfg.path("metrics", "eval.json"), metrics)
+        write_text(cfg.path("plots", "eval_gold.csv"), plot.to_csv(index=False))
     print("evaluate: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "n_prompts"))
     return metrics
 

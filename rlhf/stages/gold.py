@@ -11,7 +11,7 @@ import time
 
 from rlhf.config import Config
 from rlhf.data.splits import load_split
-from rlhf.io import write_json
+from rlhf.io import atomic_dir, write_json
 from rlhf.rewards.gold import GoldJudge
 
 
@@ -36,8 +36,9 @@ def run(cfg: Config) -> dict:
         "n_features": int(len(judge.coef)),
         "fit_seconds": round(fit_seconds, 2),
     }
-    write_json(cfg.path("metrics", "gold.json"), metrics)
-    judge.save(cfg.path("gold"))  # last, atomic: a failure before it leaves the previous judge in place
+    with atomic_dir(cfg.path("gold")) as tmp:  # outputs go together: the metrics are written before the judge moves in
+        judge.save(tmp)
+        write_json(cfg.path("metrics", "gold.json"), metrics)
     by_source = ", ".join(f"{s} {a:.3f}" for s, a in metrics["accuracy_by_source"].items())
     print(
         f"gold: held-out accuracy {metrics['accuracy']:.3f} ({by_source}) on {len(test)} texts; "

@@ -13,7 +13,7 @@ import pandas as pd
 from rlhf.config import Config
 from rlhf.data.schemas import validate
 from rlhf.data.splits import SPLIT_SCHEMAS, save_splits
-from rlhf.io import write_json
+from rlhf.io import atomic_dir, write_json
 
 
 def _reviews_splits(cfg: Config) -> tuple[dict[str, pd.DataFrame], dict]:
@@ -51,14 +51,15 @@ def run(cfg: Config) -> dict:
     for name, schema in SPLIT_SCHEMAS.items():
         validate(splits[name], schema, f"split {name!r} (built by prepare, data.source={cfg.data.source})")
     folder = cfg.path("prepared")
-    save_splits(splits, folder)
     metrics = {
         "source": cfg.data.source,
         "split_sizes": {name: len(df) for name, df in splits.items()},
         "gold_positive_fraction": {name: float(splits[name]["label"].mean()) for name in ("gold_train", "gold_test")},
         **info,
     }
-    write_json(cfg.path("metrics", "prepare.json"), metrics)
+    with atomic_dir(folder) as tmp:  # outputs go together: the metrics are written before the splits move in
+        save_splits(splits, tmp)
+        write_json(cfg.path("metrics", "prepare.json"), metrics)
     sizes = ", ".join(f"{name} {n}" for name, n in metrics["split_sizes"].items())
     print(f"prepare: {sizes} -> {folder}")
     if "prompt_source_positive_fraction" in info:

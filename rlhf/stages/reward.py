@@ -162,6 +162,6 @@ def run(cfg: Config) -> dict:
     with atomic_dir(cfg.path("reward")) as tmp:
         save_pretrained(model, tokenizer, tmp / "model")
         save_splits(splits, tmp / "pairs")
-    write_json(cfg.path("metrics", "reward.json"), metrics)
+        write_json(cfg.path("metrics", "reward.json"), metrics)  # outputs go together: before the folder moves in
     print(f"reward: {len(pairs)} gold-labelled pairs; held-out agreement with gold {metrics['agreement_heldout']:.3f}")
     return metrics

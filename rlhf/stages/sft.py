@@ -22,7 +22,7 @@ from rlhf.data.schemas import SFTExamples
 from rlhf.data.splits import load_split
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.sampling import sample
-from rlhf.io import write_json
+from rlhf.io import atomic_dir, write_json
 from rlhf.models import loading, tiny
 
 IGNORE = -100  # label of padding positions: F.cross_entropy's ignore_index
@@ -57,9 +57,10 @@ def run(cfg: Config) -> dict:
         loss = mean_token_loss(model, heldout_seqs, cfg.sft.batch_size, tokenizer.pad_token_id, device)
         metrics.update(heldout_loss=loss, heldout_perplexity=math.exp(min(loss, 50.0)))
 
-    loading.save_pretrained(model, tokenizer, cfg.path("sft"))
     metrics["seconds"] = round(time.perf_counter() - start, 1)
-    write_json(cfg.path("metrics", "sft.json"), metrics)
+    with atomic_dir(cfg.path("sft")) as tmp:  # outputs go together: the metrics are written before the model moves in
+        loading.save_pretrained(model, tokenizer, tmp)
+        write_json(cfg.path("metrics", "sft.json"), metrics)
     prompts = [" ".join(t.split()[:SAMPLE_PROMPT_WORDS]) for t in (heldout_texts or train_texts)[:3]]
     with torch.random.fork_rng(devices=[]):  # a look at the policy that leaves the RNG as it was
         torch.manual_seed(cfg.seed)
