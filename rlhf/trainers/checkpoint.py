@@ -9,6 +9,7 @@ the last quarter of them), and for the async engine the weights of the batches i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -47,12 +48,14 @@ def save(
     extra_files: dict[str, str] | None = None,
     extra_dirs: dict[str, Path] | None = None,
     keep: int = 2,
+    trainable_only: bool = False,
 ) -> Path:
     """accelerate's save_state (model/optimizer/scheduler/RNG, DeepSpeed-aware) + our loop state, atomically.
 
     rank_state: this process's own state (every rank saves one); extra_files: name -> text; extra_dirs:
     name -> a folder copied in (hard links where the disk allows). Main process only for the extras. Once the
-    new checkpoint is complete, only the newest `keep` remain.
+    new checkpoint is complete, only the newest `keep` remain. trainable_only (LoRA): the frozen weights, which a
+    resumed run loads from the SFT folder anyway, are left out.
     """
     final = folder / f"batch-{state.batch:06d}"
     # unique per run (rank 0's pid, shared with the other ranks): two runs never touch each other's temp folder
@@ -62,7 +65,8 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
+        with _frozen_weights_left_out(accelerator, trainable_only) as kwargs:
+            accelerator.save_state(str(tmp), **kwargs)
         write_json(tmp / f"rank_state_{accelerator.process_index}.json", rank_state)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
@@ -105,7 +109,35 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def load(accelerator, path: Path) -> tuple[LoopState, dict]:
-    """The loop state and this process's rank_state."""
-    accelerator.load_state(str(path))
+@contextlib.contextmanager
+def _frozen_weights_left_out(accelerator, trainable_only: bool):
+    """save_state's keyword arguments; without DeepSpeed a hook that drops the frozen weights from what it saves."""
+    if not trainable_only:
+        yield {}
+    elif accelerator.state.deepspeed_plugin is not None:
+        yield {"exclude_frozen_parameters": True}
+    else:
+
+        def drop_frozen(models, weights, output_dir):
+            for model, state in zip(models, weights):
+                trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+                for name in [n for n in state if n not in trainable]:
+                    del state[name]
+
+        hook = accelerator.register_save_state_pre_hook(drop_frozen)
+        try:
+            yield {}
+        finally:
+            hook.remove()
+
+
+def load(accelerator, path: Path, trainable_only: bool = False) -> tuple[LoopState, dict]:
+    """The loop state and this process's rank_state. trainable_only: the checkpoint holds only the weights that
+    train (the others are the SFT's, already loaded), so the weights present are loaded by name."""
+    if not trainable_only:
+        accelerator.load_state(str(path))
+    elif accelerator.state.deepspeed_plugin is not None:
+        accelerator.load_state(str(path), load_module_strict=False)
+    else:
+        accelerator.load_state(str(path), strict=False)
     return LoopState(**read_json(path / STATE_FILE)), read_json(path / f"rank_state_{accelerator.process_index}.json")

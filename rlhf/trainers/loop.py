@@ -23,9 +23,11 @@ from tqdm import tqdm
 from rlhf.algorithms.common import apply_missing_eos_penalty
 from rlhf.config import Config, config_yaml
 from rlhf.generation.base import Generated
+from rlhf.generation.weights import full_weights
 from rlhf.io import atomic_dir, write_text
 from rlhf.models.batch import ModelInput, assemble
-from rlhf.models.forward import PolicyAndValueWrapper, response_logprobs, response_logprobs_and_values
+from rlhf.models.forward import response_logprobs, response_logprobs_and_values
+from rlhf.models.loading import save_policy
 from rlhf.runtime import crash_point
 from rlhf.tracking import Tracker
 from rlhf.trainers import checkpoint
@@ -105,7 +107,7 @@ def start(run: Run) -> tuple[checkpoint.LoopState, list[dict]]:
     state, rows = checkpoint.LoopState(), []
     last = checkpoint.latest(run.ckpt_dir)
     if last is not None:
-        state, mine = checkpoint.load(run.acc, last)
+        state, mine = checkpoint.load(run.acc, last, trainable_only=run.lora)
         run.acc.print(f"resumed from {last} (batch {state.batch})")
         run.shuffle.set_state(torch.tensor(mine["shuffle_rng"], dtype=torch.uint8))
         rows = json.loads((last / ROWS_FILE).read_text(encoding="utf-8")) if run.acc.is_main_process else []
@@ -339,25 +341,23 @@ def save(run: Run, tracker: Tracker, state: checkpoint.LoopState) -> None:
         extra_files={ROWS_FILE: json.dumps(tracker.rows), CONFIG_FILE: config_yaml(run.cfg)},
         extra_dirs={f"engine/v{v:06d}": folder for v, folder in in_flight.items()},
         keep=run.cfg.train.keep_checkpoints,
+        trainable_only=run.lora,
     )
 
 
 def finish(run: Run, tracker: Tracker, state: checkpoint.LoopState) -> dict:
     """Export the policy to data/train/policy and its config to data/train/config.yaml; the final metrics."""
     cfg, acc = run.cfg, run.acc
-    full_state = acc.get_state_dict(run.model)  # a collective under ZeRO-3: every rank calls it
     final = {}
-    if acc.is_main_process:
-        if isinstance(acc.unwrap_model(run.model), PolicyAndValueWrapper):
-            full_state = {k.removeprefix("policy."): v for k, v in full_state.items() if k.startswith("policy.")}
-        # The outputs go together: the metrics are written while the new policy is still a temporary folder,
-        # so a failure there leaves the previous policy, not a new policy beside old metrics.
-        with atomic_dir(cfg.path("train", "policy")) as tmp:
-            run.policy.save_pretrained(tmp, state_dict=full_state, safe_serialization=True)
-            run.tokenizer.save_pretrained(tmp)
-            write_text(cfg.path("train", CONFIG_FILE), config_yaml(cfg))
-            final = final_metrics(tracker.rows, state)
-            tracker.finish(final)
+    with full_weights(run.policy) as weights:  # a collective under ZeRO-3: every rank enters it
+        if acc.is_main_process:
+            # The outputs go together: the metrics are written while the new policy is still a temporary folder,
+            # so a failure there leaves the previous policy, not a new policy beside old metrics.
+            with atomic_dir(cfg.path("train", "policy")) as tmp:
+                save_policy(run.policy, weights, run.tokenizer, tmp)
+                write_text(cfg.path("train", CONFIG_FILE), config_yaml(cfg))
+                final = final_metrics(tracker.rows, state)
+                tracker.finish(final)
     acc.wait_for_everyone()
     return final
 

@@ -25,6 +25,7 @@ from rlhf.generation.factory import make_engine, placement
 from rlhf.generation.shared import SharedEngine
 from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
 from rlhf.models.loading import load_tokenizer
+from rlhf.models.lora import AdaptersOff, add_adapters
 from rlhf.presets import resolve
 from rlhf.rewards.proxy import GoldReward, RewardSpec
 from rlhf.runtime import env_int
@@ -65,7 +66,7 @@ class Run:
     model: nn.Module  # what the optimizer steps: the policy, or policy + value (PPO); prepared by accelerate
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    ref: nn.Module  # the frozen SFT policy: reference log-probs
+    ref: nn.Module | AdaptersOff  # the frozen SFT policy (with LoRA: the policy, adapters off): reference log-probs
     engine: Engine  # who samples (rlhf.generation)
     tokenizer: object
     prompts: list[list[int]]  # the RL prompts as token ids; batch t takes its share by `prompts_of(t)`
@@ -83,6 +84,11 @@ class Run:
         # Outside data/train, which `dvc repro` deletes before running the stage; keyed by the settings, so a
         # changed run never resumes from another one's state.
         self.ckpt_dir = self.cfg.path("checkpoints", f"train-{fingerprint(self.cfg)}")
+
+    @property
+    def lora(self) -> bool:
+        """The policy trains LoRA adapters: checkpoints hold only the weights that train."""
+        return self.cfg.train.lora.rank > 0
 
     @property
     def policy(self) -> nn.Module:
@@ -112,7 +118,7 @@ def setup(cfg: Config) -> Run:
         model = PolicyAndValueWrapper(policy, value) if objective.needs_values else policy
         optimizer, scheduler = _setup_optimization(c, model, sizes)
         model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
-        ref = _place_frozen(ref, acc)
+        ref = ref if isinstance(ref, AdaptersOff) else _place_frozen(ref, acc)
         reward_fn = reward_fn.placed(lambda m: _place_frozen(m, acc), acc.device) if reward_fn is not None else None
         policy = unwrap_policy(acc.unwrap_model(model))
         engine = _setup_engine(cfg, engine_name, early, policy, tokenizer, prompts, reward, acc)
@@ -140,19 +146,24 @@ def setup(cfg: Config) -> Run:
 def _setup_models(cfg: Config, needs_values: bool):
     """policy, reference (the SFT policy, frozen), value model (PPO: from the RM) or None, on the CPU.
 
+    With train.lora.rank > 0 the policy gets LoRA adapters and the reference is the policy with them switched off.
+
     They load before the Accelerator exists: under ZeRO-3 an active DeepSpeed config would make transformers
     partition them at load time. `_place_frozen` and `Accelerator.prepare` then put them on the device.
     """
     from rlhf.models.loading import load_causal_lm, load_reward_model
 
+    c = cfg.train
     policy = load_causal_lm(cfg.path("sft"))
-    ref = load_causal_lm(cfg.path("sft")).requires_grad_(False)
     value = load_reward_model(cfg.path("reward", "model")) if needs_values else None
-    if cfg.train.gradient_checkpointing:  # activations recomputed in backward: memory for compute
+    if c.gradient_checkpointing:  # activations recomputed in backward: memory for compute
         for model in (policy, value):
             if model is not None:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return policy, ref, value
+    if c.lora.rank:
+        policy = add_adapters(policy, c.lora, cfg.seed)
+        return policy, AdaptersOff(policy), value
+    return policy, load_causal_lm(cfg.path("sft")).requires_grad_(False), value
 
 
 def _place_frozen(model: nn.Module, acc: Accelerator) -> nn.Module:
@@ -272,7 +283,8 @@ def _setup_accelerator(c: TrainConfig) -> Accelerator:
 
 
 def _setup_optimization(c: TrainConfig, model: nn.Module, sizes: Sizes):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=c.learning_rate, eps=1e-8, weight_decay=0.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=c.learning_rate, eps=1e-8, weight_decay=0.0)
     warmup = int(c.warmup_ratio * sizes.num_updates)
     scheduler = get_scheduler(c.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=sizes.num_updates)
     return optimizer, scheduler

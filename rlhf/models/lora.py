@@ -1,0 +1,81 @@
+"""LoRA through PEFT (train.lora): the policy trains low-rank adapters while its base weights stay the SFT's.
+
+Three consequences the rest of the code relies on, each one function here:
+- the reference model is the same module with its adapters switched off (`AdaptersOff`): no second copy;
+- engines and the exported policy see merged weights under the base model's own names (`merged_state_dict`),
+  computed without touching the trained module: PEFT's in-place merge/unmerge would leave the base weights a
+  rounding error away from the SFT's after every sync, and a resumed run (whose checkpoint holds only the
+  adapters) would then differ from an uninterrupted one;
+- only the adapters train, so only they reach the optimizer and the checkpoints (`trainable_names`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlhf.config import LoraConfig
+
+ADAPTER = "default"  # PEFT's name for the one adapter a model gets
+
+
+def add_adapters(model: nn.Module, settings: LoraConfig, seed: int) -> nn.Module:
+    """`model` wrapped by PEFT with fresh adapters (B = 0: the policy starts exactly at the SFT's outputs; A drawn
+    from `seed`, so two runs with the same settings train the same adapters)."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        target_modules=settings.target_modules,
+        lora_dropout=0.0,  # the learner's log-probs must be the function the engine sampled from
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return peft.get_peft_model(model, config)
+
+
+def is_lora(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("peft.")
+
+
+class AdaptersOff:
+    """The reference policy of a LoRA run: the policy's forward with its adapters disabled (the SFT's function).
+
+    Not an nn.Module on purpose: the policy's weights must not be registered, placed or prepared a second time.
+    """
+
+    def __init__(self, policy: nn.Module):
+        self.policy = policy
+
+    def __call__(self, **inputs):
+        with self.policy.disable_adapter():
+            return self.policy(**inputs)
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{base model name: tensor}: what the model computes with its adapters, as plain weights W + scale * B @ A.
+
+    Reads the weights as they are: under ZeRO-3 call it inside a gather (rlhf.generation.weights)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {
+        f"{name}.weight": module.get_delta_weight(ADAPTER)
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    merged = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        merged[name] = tensor + deltas[name].to(tensor.dtype) if name in deltas else tensor
+    return merged
+
+
+def trainable_names(model: nn.Module) -> set[str]:
+    """Names of the parameters that train: with LoRA the adapters (and a value model's weights), not the base."""
+    return {name for name, p in model.named_parameters() if p.requires_grad}
