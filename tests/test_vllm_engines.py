@@ -21,12 +21,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.config import ModelConfig
+from rlhf.config import LoraConfig, ModelConfig
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.factory import make_engine
 from rlhf.generation.vllm import request_seed
 from rlhf.models import loading, tiny
 from rlhf.models.batch import pad_right
+from rlhf.models.lora import add_adapters
 
 TEXTS = [
     "the movie was great and i loved it .",
@@ -191,6 +192,27 @@ def test_colocated_sampling_is_seeded_and_streams_are_distinct(policy, colocated
     # same prompt twice still gives 4 different samples (12 near-uniform tokens each never collide by chance).
     assert len({tuple(r) for r in first.responses.tolist()}) == 4
     assert request_seed(SEED, 5, 1, 2) - request_seed(SEED, 5, 0, 2) == 2
+
+
+def test_colocated_engine_samples_a_lora_policy_from_its_merged_weights(policy, colocated):
+    """train.lora: the engine gets W + scale * B @ A under the base names, and samples what the adapted policy
+    computes; the trained module's own weights are untouched by the sync (no in-place merge)."""
+    folder, tok = policy
+    prompts = prompt_ids(tok, ["the movie was", "a bad film"])
+    model = add_adapters(loading.load_causal_lm(folder), LoraConfig(rank=4, alpha=8.0), seed=0)
+    train_towards(model, tok, prompts, "great acting , great story")
+    trained = hf_greedy(model, prompts, 8, tok)
+    with model.disable_adapter():
+        assert not torch.equal(trained, hf_greedy(model, prompts, 8, tok))  # the adapters changed the outputs
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    colocated.load_weights(model, version=5)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    colocated.submit(prompts, SamplingParams(k=1, max_new_tokens=8, temperature=0.0))
+    torch.testing.assert_close(colocated.receive().responses, trained, rtol=0, atol=0)
+    colocated.submit(prompts, params := SamplingParams(k=2, max_new_tokens=8, temperature=0.7))
+    gen = colocated.receive()
+    expected = hf_logprobs(model, prompts, gen.responses, params.k, params.temperature, tok.eos_token_id)
+    torch.testing.assert_close(gen.logprobs, expected, rtol=0, atol=2e-4)
 
 
 def test_colocated_close_twice(colocated):
