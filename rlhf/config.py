@@ -215,7 +215,7 @@ class TrainConfig(_Section):
     lora: LoraConfig = Field(
         LoraConfig(),
         description="LoRA adapters on the policy (rank, alpha, target_modules); the reference is the policy with "
-        "adapters off, engines and data/train/policy get merged weights (docs/lora.md)",
+        "adapters off, engines and data/train/policy get merged weights (README: LoRA)",
     )
     lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
         "linear", description="schedule over the run's optimizer steps"

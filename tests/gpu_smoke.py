@@ -1,10 +1,11 @@
 """`make gpu-smoke`: the GPU paths, run on a machine that has them (none of this project's machines does).
 
 The `ci` profile end to end on CUDA: the data stages, every trainer preset with each engine, bf16 mixed precision,
-gradient checkpointing, ZeRO-2/3 and DDP on two GPUs when there are two, the async engine on a GPU of its own (2
-GPUs) and one engine shared by two training processes (3 GPUs), then generate and evaluate. One line per
-check (ok / FAIL, seconds, the last error line), a summary, and a non-zero exit if anything failed. With no CUDA
-device it says so and exits 2, checking nothing. Outputs go to .cache/gpu-smoke (removed at the end).
+gradient checkpointing, LoRA (alone and under ZeRO-3), ZeRO-2/3 and DDP on two GPUs when there are two, the async
+engine on a GPU of its own (2 GPUs) and one engine shared by two training processes (3 GPUs), then generate and
+evaluate. One line per check (ok / FAIL, seconds, the last error line), a summary, and a non-zero exit if anything
+failed. With no CUDA device it says so and exits 2, checking nothing. Outputs go to .cache/gpu-smoke (removed at
+the end).
 
     make gpu-smoke                     # or: .venv/bin/python -m rlhf.runtime python tests/gpu_smoke.py [--keep]
 """
@@ -39,6 +40,8 @@ def checks(data: Path, gpus: int, vllm_cuda: bool) -> list[tuple[str, list[str]]
     out.append(
         ("train ppo grad-ckpt", [*cli, "train", "--trainer", "ppo", "train.gradient_checkpointing=true", *common])
     )
+    lora = ["train.lora.rank=4", "train.mixed_precision=bf16"]
+    out.append(("train ppo lora bf16", [*cli, "train", "--trainer", "ppo", *lora, *common]))
     if gpus >= 2:
         for zero in ("zero2", "zero3"):
             launch = [*PYTHON, "accelerate", "launch", "--config_file", str(ROOT / "configs" / f"{zero}.yaml")]
@@ -58,6 +61,9 @@ def checks(data: Path, gpus: int, vllm_cuda: bool) -> list[tuple[str, list[str]]
                     ],
                 )
             )
+        launch = [*PYTHON, "accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero3.yaml")]
+        zero3 = [*launch, *rlhf, "train", "--trainer", "ppo", "train.total_episodes=32", *lora, *common]
+        out.append(("train ppo zero3 x2 lora bf16", zero3))
         ddp = [*PYTHON, "torchrun", "--nproc_per_node", "2", "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml")]
         out.append(
             (
