@@ -38,6 +38,7 @@ def add_adapters(model: nn.Module, settings: LoraConfig, seed: int) -> nn.Module
 
 
 def is_lora(model: nn.Module) -> bool:
+    """A PEFT-wrapped model (by its class's module: a run without LoRA never imports peft)."""
     return type(model).__module__.startswith("peft.")
 
 
