@@ -19,6 +19,7 @@ from pathlib import Path
 from accelerate.utils import broadcast_object_list
 
 from rlhf.io import read_json, write_json
+from rlhf.models import lora
 from rlhf.runtime import crash_point
 
 STATE_FILE = "trainer_state.json"
@@ -120,7 +121,7 @@ def _frozen_weights_left_out(accelerator, trainable_only: bool):
 
         def drop_frozen(models, weights, output_dir):
             for model, state in zip(models, weights):
-                trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+                trainable = lora.trainable_names(model)
                 for name in [n for n in state if n not in trainable]:
                     del state[name]
 
