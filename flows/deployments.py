@@ -118,9 +118,26 @@ def check_prefect_settings() -> None:
             Settings()
     except pydantic.ValidationError as e:
         first = e.errors()[0]
-        named = [k for k, v in os.environ.items() if k.startswith("PREFECT_") and v == str(first.get("input"))]
-        where = f"{named[0]}={first['input']!r}" if named else ".".join(map(str, first["loc"]))
-        raise ValueError(f"Prefect setting {where}: {first['msg']}") from None
+        where = _settings_variable(Settings, e.title, first["loc"])
+        raise ValueError(f"Prefect setting {where}={first['input']!r}: {first['msg']}") from None
+
+
+def _settings_variable(settings, model_name: str, loc: tuple) -> str:
+    """The environment variable behind field `loc` of Prefect's nested settings model `model_name` (its error names
+    only the model and the field): the env prefix + field name, or an alias of it that is set."""
+    import pydantic
+
+    models = [settings]
+    while models:
+        model = models.pop()
+        if model.__name__ == model_name and loc and str(loc[0]) in model.model_fields:
+            field = model.model_fields[str(loc[0])]
+            names = [model.model_config.get("env_prefix", "") + str(loc[0]).upper()]
+            names += [a for a in getattr(field.validation_alias, "choices", []) if isinstance(a, str)]
+            return next((n for n in names if n.upper() in os.environ), names[0])
+        nested = [f.annotation for f in model.model_fields.values()]
+        models += [m for m in nested if isinstance(m, type) and issubclass(m, pydantic.BaseModel)]
+    return ".".join(map(str, loc))
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM (a supervisor, a test) shuts down like Ctrl-C

@@ -220,7 +220,7 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
         serve = subprocess.run(
             [sys.executable, "-m", "flows.deployments"],
             cwd=ROOT,
-            env={**os.environ, variable: value},
+            env={**os.environ, "PREFECT_UNRELATED": value, variable: value},  # the variable, not its value, is named
             capture_output=True,
             text=True,
             timeout=60,

@@ -15,7 +15,11 @@ pytestmark = pytest.mark.slow
 
 # Every HF preset, and RLOO with truncated importance weights (the HF engine returns its sampling log-probs, as
 # the vLLM ones do, so DPO and best-of-k take the engines' log-probs path here too).
-HF = [(name,) for name, p in sorted(PRESETS.items()) if p.engine == "hf"] + [("rloo", "train.tis_cap=2.0")]
+# With LoRA: the reference is the policy with adapters off, and the engines get merged weights.
+HF = [(name,) for name, p in sorted(PRESETS.items()) if p.engine == "hf"] + [
+    ("rloo", "train.tis_cap=2.0"),
+    ("ppo", "train.lora.rank=4"),
+]
 
 
 def test_the_guard_catches_a_tensor_left_on_the_cpu():
@@ -37,7 +41,12 @@ def test_the_loop_keeps_every_tensor_on_the_training_device(ci_data, settings):
         train(ci_config(ci_data, f"train.trainer={trainer}", "train.total_episodes=16", "train.save_every=1", *extra))
 
 
-VLLM = [("online_dpo_single_vllm",), ("rloo", "train.engine=vllm_async", "train.tis_cap=2.0")]
+VLLM = [
+    ("online_dpo_single_vllm",),
+    ("rloo", "train.engine=vllm_async", "train.tis_cap=2.0"),
+    ("online_dpo_single_vllm", "train.lora.rank=4"),
+    ("online_dpo_vllm", "train.lora.rank=4"),
+]
 
 
 @pytest.mark.parametrize("settings", VLLM, ids="+".join)

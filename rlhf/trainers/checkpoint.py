@@ -110,35 +110,36 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+def _trainable_only_kwargs(accelerator) -> tuple[dict, dict]:
+    """save_state and load_state keyword arguments for a checkpoint of the trainable weights only (LoRA)."""
+    if accelerator.state.deepspeed_plugin is not None:
+        return {"exclude_frozen_parameters": True}, {"load_module_strict": False}
+    return {}, {"strict": False}  # saving: the pre-hook of _frozen_weights_left_out drops them
+
+
 @contextlib.contextmanager
 def _frozen_weights_left_out(accelerator, trainable_only: bool):
     """save_state's keyword arguments; without DeepSpeed a hook that drops the frozen weights from what it saves."""
-    if not trainable_only:
-        yield {}
-    elif accelerator.state.deepspeed_plugin is not None:
-        yield {"exclude_frozen_parameters": True}
-    else:
+    save_kwargs = _trainable_only_kwargs(accelerator)[0] if trainable_only else {}
+    if not trainable_only or accelerator.state.deepspeed_plugin is not None:
+        yield save_kwargs
+        return
 
-        def drop_frozen(models, weights, output_dir):
-            for model, state in zip(models, weights):
-                trainable = lora.trainable_names(model)
-                for name in [n for n in state if n not in trainable]:
-                    del state[name]
+    def drop_frozen(models, weights, output_dir):
+        for model, state in zip(models, weights):
+            trainable = lora.trainable_names(model)
+            for name in [n for n in state if n not in trainable]:
+                del state[name]
 
-        hook = accelerator.register_save_state_pre_hook(drop_frozen)
-        try:
-            yield {}
-        finally:
-            hook.remove()
+    hook = accelerator.register_save_state_pre_hook(drop_frozen)
+    try:
+        yield save_kwargs
+    finally:
+        hook.remove()
 
 
 def load(accelerator, path: Path, trainable_only: bool = False) -> tuple[LoopState, dict]:
     """The loop state and this process's rank_state. trainable_only: the checkpoint holds only the weights that
     train (the others are the SFT's, already loaded), so the weights present are loaded by name."""
-    if not trainable_only:
-        accelerator.load_state(str(path))
-    elif accelerator.state.deepspeed_plugin is not None:
-        accelerator.load_state(str(path), load_module_strict=False)
-    else:
-        accelerator.load_state(str(path), strict=False)
+    accelerator.load_state(str(path), **(_trainable_only_kwargs(accelerator)[1] if trainable_only else {}))
     return LoopState(**read_json(path / STATE_FILE)), read_json(path / f"rank_state_{accelerator.process_index}.json")
