@@ -9,7 +9,7 @@ import torch
 
 from rlhf.config import ModelConfig
 from rlhf.models import loading, tiny
-from rlhf.models.forward import scalar_head
+from rlhf.models.forward import scalar_head, sequence_scores
 
 TEXTS = [
     "The movie was great, and the acting was great!",
@@ -145,6 +145,30 @@ def test_reward_model_from_causal_scalar_per_sequence(tmp_path, tiny_folder):
     loading.save_pretrained(rm, loading.load_tokenizer(tiny_folder), tmp_path / "rm")
     again = loading.load_reward_model(tmp_path / "rm")
     torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).logits[:, 0], scores)
+
+
+def test_a_shallow_mean_pooled_reward_model_scores_the_response_mean_and_keeps_it_when_saved(tmp_path, tiny_folder):
+    causal = loading.load_causal_lm(tiny_folder)
+    rm = loading.reward_model_from_causal(tiny_folder, seed=0, num_layers=1, pooling="mean")
+    assert len(rm.model.layers) == 1 and rm.config.num_hidden_layers == 1 < causal.config.num_hidden_layers
+    for name, tensor in rm.model.layers[0].state_dict().items():
+        torch.testing.assert_close(tensor, causal.model.layers[0].state_dict()[name], rtol=0, atol=0)
+    ids = torch.tensor([[0, 4, 5, 6, 7, 0], [4, 5, 6, 7, 8, 9]])  # prompt: 3 columns; row 0's response is 2 tokens
+    mask = (ids != 0).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    last = torch.tensor([1, 2])
+    values = scalar_head(rm, ids, mask, positions)
+    expected = torch.stack([values[0, 3:5].mean(), values[1, 3:6].mean()])
+    torch.testing.assert_close(sequence_scores(rm, ids, mask, positions, 3, last), expected)
+    loading.save_pretrained(rm, loading.load_tokenizer(tiny_folder), tmp_path / "rm")
+    again = loading.load_reward_model(tmp_path / "rm")
+    assert again.config.reward_pooling == "mean" and len(again.model.layers) == 1
+    torch.testing.assert_close(sequence_scores(again, ids, mask, positions, 3, last), expected)
+    last_token = loading.reward_model_from_causal(tiny_folder, seed=0)  # the default reads the last response token
+    values = scalar_head(last_token, ids, mask, positions)
+    torch.testing.assert_close(
+        sequence_scores(last_token, ids, mask, positions, 3, last), torch.stack([values[0, 4], values[1, 5]])
+    )
 
 
 # --- packaged SmolLM2 ------------------------------------------------------------------------------------

@@ -156,3 +156,26 @@ def test_a_pretrained_reward_model_is_used_as_the_proxy_and_measured_against_gol
     assert 0 <= metrics["agreement_heldout"] <= 1 and metrics["n_test"] == metrics["n_pairs"] >= 4
     saved, given = (loading.load_reward_model(d / "reward" / "model").state_dict() for d in (data, ci_stages))
     assert saved.keys() == given.keys() and all(torch.equal(saved[k], given[k]) for k in saved)
+
+
+def test_a_shallow_reward_model_gets_its_head_fitted_on_pairs_vllm_sampled(ci_stages, tmp_path):
+    """The smollm2 profile's reward settings at ci size: pairs from vLLM, the first layer of the SFT backbone kept as
+    it is, scores averaged over the response, and only the head fitted."""
+    from conftest import ci_config
+
+    from rlhf.stages import reward
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("prepared", "gold", "sft"):
+        (data / name).symlink_to(ci_stages / name)
+    settings = ("reward.engine=vllm", "reward.num_layers=1", "reward.pooling=mean", "reward.trainable=head")
+    metrics = reward.run(ci_config(data, *settings))
+    assert metrics["head_l2"] in reward.HEAD_L2 and metrics["agreement_train"] > 0.6, metrics
+    rm, sft = loading.load_reward_model(data / "reward" / "model"), loading.load_causal_lm(ci_stages / "sft")
+    assert rm.config.reward_pooling == "mean" and len(rm.model.layers) == 1
+    backbone = {**rm.model.layers[0].state_dict(), "embed": rm.model.embed_tokens.weight}
+    original = {**sft.model.layers[0].state_dict(), "embed": sft.model.embed_tokens.weight}
+    assert all(torch.equal(backbone[k], original[k]) for k in backbone)
+    with pytest.raises(ValueError, match="reward.num_layers=99: the SFT model in .* has"):
+        reward.run(ci_config(data, "reward.num_layers=99"))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from rlhf.generation.base import SamplingParams
+from rlhf.generation.base import Engine, SamplingParams
 from rlhf.generation.hf import HFEngine
 from rlhf.models.batch import ModelInput, assemble
 
@@ -31,14 +31,16 @@ def sample(
     device: torch.device,
     score: Callable[[ModelInput, list[str]], torch.Tensor] | None = None,
     desc: str | None = None,
+    engine: Engine | None = None,
 ) -> Iterator[Sampled]:
-    """K samples per prompt from `model` (on `device`) with HF generate (the global torch RNG: seed it first).
+    """K samples per prompt from `model` (on `device`) with HF generate (the global torch RNG: seed it first), or
+    with `engine` (rlhf.generation.factory.make_engine) when given.
 
     prompts: texts (tokenised here, as everywhere in the pipeline) or token id lists. Each batch comes back on
     `device`. score: a reward function (rlhf.rewards.proxy) applied to each batch. desc: a progress bar's label
     (None = no bar).
     """
-    engine = HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, device)
+    engine = engine or HFEngine(model, tokenizer.pad_token_id, tokenizer.eos_token_id, device)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=desc is None):
         chunk = list(prompts[i : i + batch_size])

@@ -55,9 +55,37 @@ def sequence_scores(
     context: int,
     last_index: torch.Tensor,
 ) -> torch.Tensor:
-    """Reward-model score read at the last real response token (the EOS when there is one). Shape (n,)."""
-    values = scalar_head(model, sequences, attn, positions)
-    return values[torch.arange(len(values), device=values.device), context + last_index]
+    """Reward-model score of each sequence (n,): the `score` head on its pooled hidden state (`pooled_hidden`)."""
+    pooled = pooled_hidden(model, sequences, attn, positions, context, last_index)
+    return model.score(pooled).squeeze(-1).float()
+
+
+def pooled_hidden(
+    model: nn.Module,
+    sequences: torch.Tensor,
+    attn: torch.Tensor,
+    positions: torch.Tensor,
+    context: int,
+    last_index: torch.Tensor,
+) -> torch.Tensor:
+    """The backbone's last hidden state pooled over each response (n, H), as the model's config says
+    (`reward_pooling`): "last" (the default) = at the last real response token (the EOS when there is one), index
+    `last_index` (n,) from the response's start; "mean" = the mean over the response tokens up to it. The head
+    is linear: scoring the mean state is the mean of the per-token scores."""
+    hidden = model.base_model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False)
+    hidden = hidden.last_hidden_state
+    if reward_pooling(model) == "mean":
+        steps = torch.arange(hidden.shape[1] - context, device=hidden.device)
+        in_response = (steps[None, :] <= last_index[:, None]).to(hidden.dtype)[..., None]
+        return (hidden[:, context:] * in_response).sum(1) / in_response.sum(1)
+    return hidden[torch.arange(len(hidden), device=hidden.device), context + last_index]
+
+
+def reward_pooling(model: nn.Module) -> str:
+    """ "last" or "mean": how a reward model reads a sequence's score (rlhf.models.loading.reward_model_from_causal);
+    models from elsewhere (a hub RM) read the last token."""
+    config = model.module.config if hasattr(model, "module") else model.config  # a DeepSpeed engine wraps it
+    return getattr(config, "reward_pooling", "last")
 
 
 class PolicyAndValueWrapper(nn.Module):

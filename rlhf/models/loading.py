@@ -175,25 +175,40 @@ def load_reward_model(folder_or_id: str | Path, dtype: torch.dtype = torch.float
     return disable_dropout(model).eval()
 
 
-def reward_model_from_causal(folder: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def reward_model_from_causal(
+    folder: str | Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    num_layers: int | None = None,
+    pooling: str = "last",
+) -> PreTrainedModel:
     """A scalar reward/value model whose backbone is copied from the causal LM in `folder`; new `score` head.
 
     The LM head is dropped and `score` (Linear(hidden, 1, bias=False)) is initialised from `seed` (the global
     torch RNG is left as it was). config.pad_token_id is set from the folder's tokenizer: the sequence-level
     output reads the rightmost token that is not pad, so pad must be defined (and, with pad == eos as in
-    SmolLM2, a trailing EOS is skipped: score tokens by position instead, as below).
+    SmolLM2, a trailing EOS is skipped: score tokens by position instead, as below). num_layers: keep only the
+    first n transformer layers (None = all); pooling: how `sequence_scores` reads a sequence's score, saved in
+    the model's config (`reward_pooling`) so every later load reads it the same way.
 
     Read it with rlhf.models.forward: `scalar_head` gives one value per position (n, L) (the PPO value head),
-    `sequence_scores` the score at an explicit position (the last real response token).
+    `sequence_scores` the score of each sequence (at its last real response token, or the response's mean).
     """
     folder = _checked_model_folder(folder)
     tokenizer = load_tokenizer(folder)
+    depth = {} if num_layers is None else {"num_hidden_layers": num_layers}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _from_pretrained(
-            AutoModelForSequenceClassification, folder, dtype=dtype, num_labels=1, pad_token_id=tokenizer.pad_token_id
+            AutoModelForSequenceClassification,
+            folder,
+            dtype=dtype,
+            num_labels=1,
+            pad_token_id=tokenizer.pad_token_id,
+            **depth,
         )
     model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.reward_pooling = pooling
     return disable_dropout(model).eval()
 
 

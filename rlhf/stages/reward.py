@@ -23,19 +23,49 @@ from rlhf.generation.base import SamplingParams
 from rlhf.generation.sampling import sample
 from rlhf.io import atomic_dir, write_json
 from rlhf.models.batch import attention_and_positions, pad_left, pad_right
-from rlhf.models.forward import sequence_scores
+from rlhf.models.forward import pooled_hidden, sequence_scores
+
+HEAD_L2 = (1e-3, 1e-2, 1e-1, 1.0)  # reward.trainable=head: L2 strengths tried (on standardised features)
 
 
 def sample_pairs(cfg: Config, policy, tokenizer, prompts: list[str], device, chunk: int = 64) -> pd.DataFrame:
-    """Two SFT samples per prompt, decoded up to their first EOS (kept as token ids too, for training)."""
+    """Two SFT samples per prompt, decoded up to their first EOS (kept as token ids too, for training), sampled by
+    reward.engine."""
     params = SamplingParams(k=2, max_new_tokens=cfg.reward.response_length, temperature=cfg.reward.temperature)
+    engine = _pair_engine(cfg, policy, tokenizer, prompts, device)
     rows = []
-    for s in sample(policy, tokenizer, prompts, params, chunk, device, desc="reward: sampling pairs"):
-        ids, texts = s.batch.response_ids(), s.texts
-        for j in range(len(texts) // 2):
-            a, b = 2 * j, 2 * j + 1
-            rows.append({"a": texts[a], "b": texts[b], "a_ids": ids[a], "b_ids": ids[b]})
+    try:
+        batches = sample(
+            policy, tokenizer, prompts, params, chunk, device, desc="reward: sampling pairs", engine=engine
+        )
+        for s in batches:
+            ids, texts = s.batch.response_ids(), s.texts
+            for j in range(len(texts) // 2):
+                a, b = 2 * j, 2 * j + 1
+                rows.append({"a": texts[a], "b": texts[b], "a_ids": ids[a], "b_ids": ids[b]})
+    finally:
+        if engine is not None:
+            engine.close()
     return pd.DataFrame([{"prompt": p, **row} for p, row in zip(prompts, rows)])
+
+
+def _pair_engine(cfg: Config, policy, tokenizer, prompts: list[str], device):
+    """A vLLM engine on the SFT folder for reward.engine=vllm; None = HF generate on `policy`."""
+    if cfg.reward.engine == "hf":
+        return None
+    from rlhf.generation.factory import make_engine
+
+    longest = max(len(ids) for ids in tokenizer(prompts)["input_ids"])
+    return make_engine(
+        "vllm",
+        policy,
+        cfg.path("sft"),
+        tokenizer,
+        device=device,
+        seed=cfg.seed,
+        max_model_len=longest + cfg.reward.response_length,
+        work_dir=cfg.path("reward"),  # only an async engine writes there
+    )
 
 
 def label_with_gold(pairs: pd.DataFrame, judge, min_margin: float) -> pd.DataFrame:
@@ -57,8 +87,9 @@ def label_with_gold(pairs: pd.DataFrame, judge, min_margin: float) -> pd.DataFra
     return out[keep].reset_index(drop=True)
 
 
-def _pair_scores(model, tokenizer, df: pd.DataFrame, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reward of chosen and rejected for a batch of pairs. Shapes (n,), (n,)."""
+def _pair_inputs(tokenizer, df: pd.DataFrame, device) -> tuple:
+    """Chosen then rejected of a batch of pairs as model inputs: sequences, attn, positions (2n, C+T) on `device`,
+    the prompt width C and each response's last index (2n,)."""
     prompt_ids, prompt_mask = pad_left(tokenizer(list(df["prompt"]))["input_ids"] * 2, tokenizer.pad_token_id)
     responses = list(df["chosen_ids"]) + list(df["rejected_ids"])
     width = max(1, max(len(r) for r in responses))
@@ -67,8 +98,12 @@ def _pair_scores(model, tokenizer, df: pd.DataFrame, device) -> tuple[torch.Tens
     resp_mask = torch.arange(width, device="cpu")[None, :] < lengths[:, None]
     attn, positions = attention_and_positions(prompt_mask, resp_mask)
     seq, attn, positions = (t.to(device) for t in (torch.cat([prompt_ids, resp], 1), attn, positions))
-    last = (lengths - 1).clamp(min=0).to(device)
-    scores = sequence_scores(model, seq, attn, positions, prompt_ids.shape[1], last)
+    return seq, attn, positions, prompt_ids.shape[1], (lengths - 1).clamp(min=0).to(device)
+
+
+def _pair_scores(model, tokenizer, df: pd.DataFrame, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reward of chosen and rejected for a batch of pairs. Shapes (n,), (n,)."""
+    scores = sequence_scores(model, *_pair_inputs(tokenizer, df, device))
     return scores[: len(df)], scores[len(df) :]
 
 
@@ -111,6 +146,57 @@ def train_reward_model(cfg: Config, model, tokenizer, train_df: pd.DataFrame, de
     return sum(losses[-steps_per_epoch:]) / len(losses[-steps_per_epoch:])
 
 
+@torch.no_grad()
+def _pooled_differences(model, tokenizer, df: pd.DataFrame, batch_size: int, device) -> torch.Tensor:
+    """Pooled hidden state of chosen minus that of rejected, per pair (n, H): what a linear head scores."""
+    model.eval()
+    diffs = []
+    for i in tqdm(range(0, len(df), batch_size), desc="reward: features"):
+        pooled = pooled_hidden(model, *_pair_inputs(tokenizer, df.iloc[i : i + batch_size], device)).float()
+        diffs.append(pooled[: len(pooled) // 2] - pooled[len(pooled) // 2 :])
+    return torch.cat(diffs)
+
+
+def _bradley_terry_linear(x: torch.Tensor, l2: float) -> torch.Tensor:
+    """w (H,) minimising mean(-log sigmoid(x @ w)) + l2 |w|^2, by L-BFGS: Bradley-Terry with the reward linear in
+    the features. x (n, H): chosen minus rejected features."""
+    w = torch.zeros(x.shape[1], device=x.device, requires_grad=True)
+    opt = torch.optim.LBFGS([w], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = -F.logsigmoid(x @ w).mean() + l2 * w.square().sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach()
+
+
+def fit_head(cfg: Config, model, tokenizer, train_df: pd.DataFrame, device) -> dict:
+    """reward.trainable=head: the backbone stays the SFT's; the score head is fitted on one forward pass over the
+    pairs (features standardised, L2 strength chosen from HEAD_L2 on a fifth of the training pairs held out)."""
+    x = _pooled_differences(model, tokenizer, train_df, cfg.reward.batch_size, device)
+    scale = x.std(0).clamp(min=1e-6)  # hidden states have a few huge dimensions; one L2 suits all once scaled
+    z = x / scale
+    order = torch.randperm(len(z), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
+    val, fit = z[order[: max(1, len(z) // 5)]], z[order[max(1, len(z) // 5) :]]
+    accuracy = {l2: float(((val @ _bradley_terry_linear(fit, l2)) > 0).float().mean()) for l2 in HEAD_L2}
+    l2 = max(HEAD_L2, key=lambda c: (accuracy[c], c))  # a tie goes to the stronger regulariser
+    w = _bradley_terry_linear(z, l2)
+    with torch.no_grad():
+        model.score.weight.copy_((w / scale)[None].to(model.score.weight.dtype))
+    return {"train_loss": float(-F.logsigmoid(z @ w).mean()), "head_l2": l2, "head_val_agreement": accuracy[l2]}
+
+
+def _check_depth(cfg: Config) -> None:
+    from transformers import AutoConfig
+
+    depth = AutoConfig.from_pretrained(str(cfg.path("sft"))).num_hidden_layers
+    if cfg.reward.num_layers is not None and cfg.reward.num_layers > depth:
+        raise ValueError(f"reward.num_layers={cfg.reward.num_layers}: the SFT model in {cfg.path('sft')} has {depth}")
+
+
 def run(cfg: Config) -> dict:
     from rlhf.data.schemas import PreferencePairs, Prompts, validate
     from rlhf.data.splits import load_split, save_splits
@@ -131,7 +217,8 @@ def run(cfg: Config) -> dict:
     if cfg.reward.pretrained:  # nothing to train: pairs only to measure its agreement with gold
         prompts = prompts[: max(4, int(len(prompts) * cfg.reward.eval_fraction))]
     device = runtime.device()
-    policy = load_causal_lm(cfg.path("sft")).to(device)
+    _check_depth(cfg)
+    policy = load_causal_lm(cfg.path("sft")).to(device) if cfg.reward.engine == "hf" else None
     pairs = label_with_gold(sample_pairs(cfg, policy, tokenizer, prompts, device), judge, cfg.reward.min_gold_margin)
     if len(pairs) < 4:
         raise ValueError(f"reward: only {len(pairs)} pairs with a gold preference; raise data.n_reward_prompts")
@@ -141,11 +228,13 @@ def run(cfg: Config) -> dict:
         model = load_reward_model(cfg.reward.pretrained, hub=not Path(cfg.reward.pretrained).is_dir()).to(device)
         trained = {"pretrained": cfg.reward.pretrained}
     else:
-        model = reward_model_from_causal(cfg.path("sft")).to(device)
-        trained = {
-            "train_loss": train_reward_model(cfg, model, tokenizer, train_df, device),
-            "agreement_train": agreement(model, tokenizer, train_df.iloc[:512], cfg.reward.batch_size, device),
-        }
+        rc = cfg.reward
+        model = reward_model_from_causal(cfg.path("sft"), num_layers=rc.num_layers, pooling=rc.pooling).to(device)
+        if rc.trainable == "head":
+            trained = fit_head(cfg, model, tokenizer, train_df, device)
+        else:
+            trained = {"train_loss": train_reward_model(cfg, model, tokenizer, train_df, device)}
+        trained["agreement_train"] = agreement(model, tokenizer, train_df.iloc[:512], rc.batch_size, device)
     metrics = {
         "n_pairs": len(pairs),
         "n_test": n_test,
