@@ -176,6 +176,15 @@ def _fields(model=Config, prefix=""):
             yield f"{prefix}{name}", field
 
 
+def _leaves(values: dict, prefix=""):
+    """(dotted name, value) of every leaf of a params.yaml section tree (train.lora.rank, ...)."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 def test_every_setting_is_described_next_to_its_field():
     undescribed = [name for name, field in _fields() if not (field.description or "").strip()]
     assert undescribed == []
@@ -194,7 +203,7 @@ def test_profiles_list_only_what_differs_from_the_defaults(profile):
     raw = yaml.safe_load(PARAMS.read_text())["profiles"][profile]
     fields = dict(_fields())
     per_trainer = raw.pop("trainers", {})
-    restated = [f"{s}.{k}" for s, values in raw.items() for k, v in values.items() if fields[f"{s}.{k}"].default == v]
+    restated = [name for name, value in _leaves(raw) if fields[name].default == value]
     assert restated == []
     for trainer, sections in per_trainer.items():  # a trainer's own settings differ from the profile's
         resolved = load_config(PARAMS, profile, [f"train.trainer={trainer}"]).model_dump()
