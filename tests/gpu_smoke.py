@@ -73,6 +73,10 @@ def checks(data: Path, gpus: int, vllm_cuda: bool) -> list[tuple[str, list[str]]
         )
     out += _engine_layouts(cli, common, gpus) if vllm_cuda else []
     out += [(f"stage {s}", [*cli, s, *common]) for s in ("generate", "evaluate")]
+    shallow = ["reward.num_layers=1", "reward.pooling=mean", "reward.trainable=head"]  # the smollm2 RM, last: it
+    shallow += ["reward.engine=vllm"] if vllm_cuda else []  # replaces the RM the checks above used
+    out.append(("stage reward shallow, fitted head", [*cli, "reward", *shallow, *common]))
+    out.append(("train rloo on the shallow RM", [*cli, "train", "--trainer", "rloo", *common]))
     return out
 
 
