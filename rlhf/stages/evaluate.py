@@ -31,17 +31,19 @@ def win_rate(a: np.ndarray, b: np.ndarray) -> float:
 def kl_and_proxy(
     policy, sft, reward_model, tokenizer, prompts: list[str], cfg: Config, device
 ) -> tuple[np.ndarray, ...]:
-    """Per prompt: sequence KL(policy || sft) on one policy sample, and the proxy reward of that sample. The three
-    models live on `device`."""
+    """Per prompt: sequence KL(policy || sft) on one policy sample (empty without `sft`), and the proxy reward of that
+    sample. The models live on `device`."""
     params = SamplingParams(k=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.train.temperature)
     kls, proxies = [], []
     reward = ProxyReward(reward_model, device)
     for s in sample(policy, tokenizer, prompts, params, cfg.eval.batch_size, device, score=reward, desc="evaluate"):
         b = s.batch
         inputs = (b.sequences, b.attn, b.positions, b.context, cfg.train.temperature)
-        kls.append(((response_logprobs(policy, *inputs) - response_logprobs(sft, *inputs)) * b.response_mask).sum(1))
+        if sft is not None:
+            kl = (response_logprobs(policy, *inputs) - response_logprobs(sft, *inputs)) * b.response_mask
+            kls.append(kl.sum(1))
         proxies.append(s.scores)
-    return torch.cat(kls).cpu().numpy(), torch.cat(proxies).cpu().numpy()
+    return (torch.cat(kls).cpu().numpy() if kls else np.zeros(0)), torch.cat(proxies).cpu().numpy()
 
 
 def run(cfg: Config) -> dict:
@@ -64,7 +66,7 @@ def run(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)
     kl, proxy_policy = kl_and_proxy(policy, sft, rm, tokenizer, texts, cfg, device)
     torch.manual_seed(cfg.seed)  # the SFT's samples must not depend on how much randomness the policy used
-    _, proxy_sft = kl_and_proxy(sft, sft, rm, tokenizer, texts, cfg, device)
+    _, proxy_sft = kl_and_proxy(sft, None, rm, tokenizer, texts, cfg, device)  # its KL to itself is 0
     proxy = {"policy": proxy_policy, "sft": proxy_sft}
 
     metrics = summarise(gold, kl, proxy)
