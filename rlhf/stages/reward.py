@@ -180,7 +180,8 @@ def fit_head(cfg: Config, model, tokenizer, train_df: pd.DataFrame, device) -> d
     scale = x.std(0).clamp(min=1e-6)  # hidden states have a few huge dimensions; one L2 suits all once scaled
     z = x / scale
     order = torch.randperm(len(z), generator=torch.Generator().manual_seed(cfg.seed)).to(device)
-    val, fit = z[order[: max(1, len(z) // 5)]], z[order[max(1, len(z) // 5) :]]
+    n_val = max(1, len(z) // 5)
+    val, fit = z[order[:n_val]], z[order[n_val:]]
     accuracy = {l2: float(((val @ _bradley_terry_linear(fit, l2)) > 0).float().mean()) for l2 in HEAD_L2}
     l2 = max(HEAD_L2, key=lambda c: (accuracy[c], c))  # a tie goes to the stronger regulariser
     w = _bradley_terry_linear(z, l2)
