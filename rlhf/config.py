@@ -207,8 +207,9 @@ class TrainConfig(_Section):
     )
     score_in_engine: Literal["auto", "always", "never"] = Field(
         "auto",
-        description="vllm_async: score batches in the engine process (overlapped with training) or in the learner; "
-        "auto: each batch on whichever side waited less for the other lately. Same scores either way",
+        description="vllm_async: score batches and compute their reference log-probs in the engine process "
+        "(overlapped with training) or in the learner; auto: each batch on whichever side waited less for the other "
+        "lately; always: the learner loads no reference model. Same numbers either way",
     )
     tis_cap: float | None = Field(
         None,
@@ -283,6 +284,9 @@ class EvalConfig(_Section):
     temperature: float = Field(0.01, gt=0, description="near-greedy, as the paper's evaluation")
     max_new_tokens: int = Field(24, gt=0, description="new tokens per eval response")
     batch_size: int = Field(64, gt=0, description="prompts per generate/score batch")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="what samples the policy and the SFT model: hf generate, or a vLLM engine per model"
+    )
 
 
 class TrackingConfig(_Section):

@@ -7,9 +7,10 @@ stays the CPU, as on a GPU machine (training device cuda, default device cpu).
   DeviceMismatch, naming the op and the project's line that called it. CUDA's own exceptions are allowed (a 0-dim
   CPU tensor in an op, CPU index tensors in indexing); the cases meta alone lets through silently (an embedding
   lookup with CPU indices into meta weights, a CPU tensor indexed by a meta one) are caught.
-- Meta tensors hold no values: reading one into Python (item, tolist, bool, int, float, numpy, a copy to the CPU)
-  gives zeros (True for bool, a large int so counts pass their checks), so the code runs on through its data-
-  dependent steps. The results are meaningless; only where tensors live is checked.
+- Meta tensors hold no values: reading one into Python (item, tolist, bool, int, float, a copy to the CPU) gives
+  zeros (True for bool, a large int so counts pass their checks), so the code runs on through its data-dependent
+  steps. The results are meaningless; only where tensors live is checked. `numpy()` of a device tensor raises,
+  as on CUDA: it must be copied to the CPU first.
 
 This stands in for a GPU, which cannot exist here (shared/reference/platform.md: CPU torch cannot make CUDA
 tensors). What it cannot see: vLLM's own internals (they run on the CPU here), and value-dependent paths that
@@ -23,7 +24,6 @@ import os
 import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -43,7 +43,6 @@ _TO_PYTHON = {
     torch.Tensor.__index__: lambda t: DUMMY_INT,
     torch.Tensor.__float__: lambda t: 0.0,
     torch.Tensor.tolist: lambda t: torch.zeros(t.shape, dtype=t.dtype).tolist(),
-    torch.Tensor.numpy: lambda t: np.zeros(tuple(t.shape), dtype=torch.zeros(0, dtype=t.dtype).numpy().dtype),
 }
 
 
@@ -79,6 +78,8 @@ class DeviceAudit(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func is torch.Tensor.numpy and tensors[0].is_meta:  # as CUDA does: numpy() reads host memory only
+            raise DeviceMismatch(f"numpy() of a tensor on the device (call .cpu() first) at {_where()}")
         if func in _TO_PYTHON and tensors and tensors[0].is_meta:
             return _TO_PYTHON[func](tensors[0])
         if func in _BENIGN and tensors[0].is_meta and len(args) == 1 and not kwargs:

@@ -145,8 +145,9 @@ def test_split_by_rank_gives_each_rank_the_samples_of_its_own_prompts():
 
 
 def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
-    """train.score_in_engine moves the reward model's forward into the engine process: the very same numbers
-    (so "auto", which picks a side per batch by timing, keeps runs deterministic). The two runs are also the async
+    """train.score_in_engine moves the reward model's and the reference's forwards into the engine process: the very
+    same numbers (so "auto", which picks a side per batch by timing, keeps runs deterministic). With "always" the
+    learner loads no reference model, so the KL could only come from the engine. The two runs are also the async
     preset's determinism test (tests/test_determinism.py): identical metrics, rows and weights."""
     import shutil
 

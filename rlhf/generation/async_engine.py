@@ -33,13 +33,16 @@ it, see rlhf.generation.shared): each batch is sampled after the previous update
 
 Scoring: given a RewardSpec, the engine process can also score a batch (post-processed exactly as the learner
 would, with the same code: the same scores) right after sampling it, so the reward model's forward overlaps
-training. `score` = "always", or "auto": each submitted batch is scored in the engine unless the learner has
-lately waited longer for batches than the engine waited for work (then the engine is the bottleneck and the
-learner scores it; Generated.scores is None). Either way the scores are the same, so runs stay deterministic.
+training; given a ReferenceSpec it computes the batch's reference log-probs there too (the reference is the frozen
+SFT model: where it runs changes only the time). `score` = "always", or "auto": each submitted batch is scored in
+the engine unless the learner has lately waited longer for batches than the engine waited for work (then the
+engine is the bottleneck and the learner scores it; Generated.scores is None). Either way the numbers are the same,
+so runs stay deterministic.
 
 Timing, `stats()` after each receive, for the batch just received:
   timing/engine_idle          seconds the engine waited for work since it sent the previous batch
-  timing/scoring_engine       seconds the engine spent scoring the batch (when it scores)
+  timing/scoring_engine       seconds the engine spent scoring the batch and computing its reference log-probs
+                              (when it scores)
   timing/weight_sync_engine   seconds the engine spent in reload_weights since the previous batch
   timing/weight_snapshot      seconds the trainer spent in its last load_weights (gather, copy to shared memory)
 Generated.seconds is the engine's own generation time for the batch.
@@ -244,9 +247,10 @@ class AsyncEngine:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "result":
-            _, batch, responses, logprobs, scores, prompts, version, seconds, idle, reload, scoring = msg
-            scores = None if scores is None else torch.from_numpy(scores)
-            gen = Generated(torch.from_numpy(responses), version, seconds, torch.from_numpy(logprobs), scores, prompts)
+            _, batch, responses, logprobs, scores, refs, prompts, version, seconds, idle, reload, scoring = msg
+            scores, refs = (None if a is None else torch.from_numpy(a) for a in (scores, refs))
+            logprobs = torch.from_numpy(logprobs)
+            gen = Generated(torch.from_numpy(responses), version, seconds, logprobs, scores, prompts, ref_logprobs=refs)
             stats = {"timing/engine_idle": idle, "timing/weight_sync_engine": reload}
             if self._score != "never":
                 stats["timing/scoring_engine"] = scoring

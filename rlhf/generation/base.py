@@ -21,6 +21,15 @@ class SamplingParams:
     temperature: float
 
 
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """The reference policy in the engine process: the SFT model in the engine's model folder (version 0, which
+    every trainer's reference is), computing as the learner's reference does."""
+
+    temperature: float  # train.temperature: log-probs under softmax(logits / T)
+    autocast_bf16: bool = False  # the learner trains under bf16 autocast: its reference computes under it too
+
+
 @dataclass
 class Generated:
     responses: torch.Tensor  # (B*K, T) raw sampled tokens, right-padded with pad_token_id to T = max_new_tokens
@@ -29,6 +38,7 @@ class Generated:
     logprobs: torch.Tensor | None = None  # (B*K, T) the engine's own sampling log-probs, when it has them
     scores: torch.Tensor | None = None  # (B*K,) reward before the missing-EOS penalty, when the engine scored them
     prompts: list[list[int]] | None = None  # the B prompts the engine sampled from, as it saw them (the loop checks)
+    ref_logprobs: torch.Tensor | None = None  # (B*K, T) reference log-probs (0 on padding) if the engine computed them
 
 
 class Engine(Protocol):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import queue
@@ -13,8 +14,10 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from rlhf.generation.base import ReferenceSpec
 from rlhf.generation.vllm import VLLMEngine
 
 POLL_SECONDS = 0.5  # how often a waiting side checks that the other one is still alive
@@ -31,6 +34,7 @@ class EngineSpec:
     seed: int
     max_model_len: int
     reward: object = None  # a rlhf.rewards.proxy.RewardSpec: score batches in the engine process
+    reference: ReferenceSpec | None = None  # and compute their reference log-probs there too
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" or "cuda:<i>": the process sees only that GPU
     gpu_memory_utilization: float | None = None  # vLLM's share of that GPU
@@ -94,9 +98,9 @@ def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> 
             _, batch, prompts, params, score = msg
             gen = engine.generate(prompts, params, batch)
             scored = time.perf_counter()
-            scores = scorer(prompts, gen.responses, params.k).numpy() if scorer is not None and score else None
+            scores, refs = scorer(prompts, gen.responses, params) if scorer is not None and score else (None, None)
             scoring = time.perf_counter() - scored
-            arrays = (gen.responses.numpy(), gen.logprobs.numpy(), scores)
+            arrays = (gen.responses.numpy(), gen.logprobs.numpy(), scores, refs)
             outbox.send(("result", batch, *arrays, gen.prompts, gen.version, gen.seconds, idle, reload, scoring))
             idle = reload = 0.0
         else:
@@ -104,21 +108,33 @@ def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> 
 
 
 class _Scorer:
-    """The run's reward function inside the engine process, fed exactly what the learner would feed it."""
+    """The run's reward function, and the reference log-probs when asked, inside the engine process: fed exactly
+    what the learner would feed them and computed by the same functions, so the numbers are the learner's."""
 
     def __init__(self, spec: EngineSpec, device: torch.device):
-        """device: the engine's, where the reward model scores beside vLLM."""
-        from rlhf.models.loading import load_tokenizer
+        """device: the engine's, where the reward model (and the reference) run beside vLLM."""
+        from rlhf.models.loading import load_causal_lm, load_tokenizer
 
         self.reward_fn = spec.reward.build().placed(lambda m: m.to(device), device)
         self.tokenizer = load_tokenizer(Path(spec.model_folder)) if self.reward_fn.needs_texts else None
-        self.pad, self.eos = spec.pad_token_id, spec.eos_token_id
+        self.pad, self.eos, self.device = spec.pad_token_id, spec.eos_token_id, device
+        self.reference = spec.reference
+        if spec.reference is not None:
+            self.ref_model = load_causal_lm(Path(spec.model_folder)).requires_grad_(False).to(device).eval()
 
-    def __call__(self, prompts: list[list[int]], responses: torch.Tensor, k: int) -> torch.Tensor:
+    def __call__(self, prompts: list[list[int]], responses: torch.Tensor, params) -> tuple[np.ndarray, np.ndarray]:
+        """(scores (N,), reference log-probs (N, T) or None) of a sampled batch, as numpy arrays to send."""
         from rlhf.models.batch import assemble
+        from rlhf.models.forward import reference_logprobs
 
-        batch = assemble(prompts, responses, k, self.pad, self.eos)
-        return self.reward_fn(batch, batch.texts(self.tokenizer) if self.tokenizer is not None else [])
+        batch = assemble(prompts, responses, params.k, self.pad, self.eos).to(self.device)
+        scores = self.reward_fn(batch, batch.texts(self.tokenizer) if self.tokenizer is not None else [])
+        if self.reference is None:
+            return scores.cpu().numpy(), None
+        bf16 = self.reference.autocast_bf16
+        with torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            refs = reference_logprobs(self.ref_model, batch, self.reference.temperature)
+        return scores.cpu().numpy(), refs.cpu().numpy()  # the wire format: numpy arrays in host memory
 
 
 def _next_work(inbox, stop, parent_pid: int):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf.generation.base import Engine
+from rlhf.generation.base import Engine, ReferenceSpec
 
 OWN_GPU_MEMORY, SHARED_GPU_MEMORY = 0.9, 0.3  # vLLM's share of a GPU it has to itself / shares with training
 
@@ -54,6 +54,7 @@ def make_engine(
     max_staleness: int = 1,
     dtype: str = "float32",
     reward=None,
+    reference: ReferenceSpec | None = None,
     score: str = "never",
     where: Placement | None = None,
 ) -> Engine:
@@ -64,7 +65,7 @@ def make_engine(
     placed as `where` says (default: beside one training process on `device`). vllm_async samples up to
     `max_staleness` batches ahead in its own process, writing the weights of batches in flight to `work_dir` when
     a checkpoint asks; given `reward` (a rlhf.rewards.proxy.RewardSpec) it can score batches there too, as
-    `score` says (rlhf.generation.async_engine).
+    `score` says, and compute their reference log-probs given `reference` (rlhf.generation.async_engine).
     """
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError(
@@ -89,10 +90,13 @@ def make_engine(
         raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
     common = dict(seed=seed, max_model_len=max_model_len, dtype=dtype, **ids)
     lookahead = max_staleness if name == "vllm_async" else 0
-    return _vllm_engine(model_folder, common, where, lookahead, work_dir, reward, score)
+    scoring = dict(reward=reward, reference=reference)  # an engine in its own process only
+    return _vllm_engine(model_folder, common, where, lookahead, work_dir, scoring, score)
 
 
-def _vllm_engine(model_folder: Path, common: dict, where: Placement, lookahead: int, work_dir: Path, reward, score):
+def _vllm_engine(
+    model_folder: Path, common: dict, where: Placement, lookahead: int, work_dir: Path, scoring: dict, score: str
+):
     """VLLMEngine in this process, or in its own behind an AsyncEngine, as `where` says."""
     if not where.own_process:
         from rlhf.generation.vllm import VLLMEngine
@@ -104,6 +108,6 @@ def _vllm_engine(model_folder: Path, common: dict, where: Placement, lookahead: 
     from rlhf.generation.engine_process import EngineSpec
 
     memory = where.gpu_memory_utilization
-    spec = EngineSpec(str(model_folder), **common, reward=reward, device=where.device, gpu_memory_utilization=memory)
+    spec = EngineSpec(str(model_folder), **common, **scoring, device=where.device, gpu_memory_utilization=memory)
     work_dir.mkdir(parents=True, exist_ok=True)
-    return AsyncEngine(spec, work_dir, max_staleness=lookahead, score=score if reward is not None else "never")
+    return AsyncEngine(spec, work_dir, max_staleness=lookahead, score=score if spec.reward is not None else "never")

@@ -3,8 +3,10 @@ and the benchmarks do with a policy outside the training loop."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -49,3 +51,31 @@ def sample(
         batch = assemble(ids, engine.receive().responses, params.k, pad, eos).to(device)
         texts = batch.texts(tokenizer)
         yield Sampled(batch, texts, None if score is None else score(batch, texts))
+
+
+@contextlib.contextmanager
+def stage_engine(
+    kind: str, folder: Path, tokenizer, prompts: Sequence[str], max_new_tokens: int, device: torch.device, seed: int
+) -> Iterator[Engine | None]:
+    """The engine a stage samples the model in `folder` with (its `engine` setting), closed on exit: "vllm" builds a
+    vLLM engine on the folder; "hf" gives None, which `sample` reads as HF generate on the loaded model."""
+    if kind == "hf":
+        yield None
+        return
+    from rlhf.generation.factory import make_engine
+
+    longest = max(len(ids) for ids in tokenizer(list(prompts))["input_ids"])
+    engine = make_engine(
+        "vllm",
+        None,
+        folder,
+        tokenizer,
+        device=device,
+        seed=seed,
+        max_model_len=longest + max_new_tokens,
+        work_dir=folder,  # only an async engine writes there
+    )
+    try:
+        yield engine
+    finally:
+        engine.close()

@@ -84,7 +84,8 @@ def split_by_rank(gen: Generated, counts: list[int]) -> list[Generated]:
         return [None] * len(counts) if t is None else [part.clone() for part in torch.split(t, rows)]  # not views
 
     prompts = gen.prompts or []
+    rows_of = zip(cut(gen.responses), cut(gen.logprobs), cut(gen.scores), cut(gen.ref_logprobs), starts, counts)
     return [
-        replace(gen, responses=resp, logprobs=logp, scores=score, prompts=prompts[s : s + c] if prompts else None)
-        for resp, logp, score, s, c in zip(cut(gen.responses), cut(gen.logprobs), cut(gen.scores), starts, counts)
+        replace(gen, responses=resp, logprobs=logp, scores=score, ref_logprobs=ref, prompts=prompts[s : s + c] or None)
+        for resp, logp, score, ref, s, c in rows_of
     ]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from rlhf.algorithms.common import logprobs_from_logits
+from rlhf.models.batch import ModelInput
 
 
 def response_logprobs(
@@ -24,6 +25,24 @@ def response_logprobs(
     out = model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False)
     # the logits at positions C-1 .. C+T-2 predict the response tokens
     return logprobs_from_logits(out.logits[:, context - 1 : -1].float(), sequences[:, context:], temperature)
+
+
+@torch.no_grad()
+def reference_logprobs(model: nn.Module, inputs: ModelInput, temperature: float, chunk: int = 64) -> torch.Tensor:
+    """`response_logprobs` of a frozen model over a whole generated batch, `chunk` rows per forward; (N, T),
+    0 on padding. The learner and the async engine both compute the reference here, so their numbers agree."""
+    logps = [
+        response_logprobs(
+            model,
+            inputs.sequences[i : i + chunk],
+            inputs.attn[i : i + chunk],
+            inputs.positions[i : i + chunk],
+            inputs.context,
+            temperature,
+        )
+        for i in range(0, len(inputs.sequences), chunk)
+    ]
+    return torch.cat(logps) * inputs.response_mask
 
 
 def response_logprobs_and_values(

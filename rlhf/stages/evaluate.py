@@ -17,7 +17,7 @@ import torch
 from rlhf import runtime
 from rlhf.config import Config
 from rlhf.generation.base import SamplingParams
-from rlhf.generation.sampling import sample
+from rlhf.generation.sampling import sample, stage_engine
 from rlhf.io import atomic_dir, write_json, write_text
 from rlhf.models.forward import response_logprobs
 from rlhf.rewards.proxy import ProxyReward
@@ -29,14 +29,17 @@ def win_rate(a: np.ndarray, b: np.ndarray) -> float:
 
 @torch.no_grad()
 def kl_and_proxy(
-    policy, sft, reward_model, tokenizer, prompts: list[str], cfg: Config, device
+    policy, sft, reward_model, tokenizer, prompts: list[str], cfg: Config, device, engine=None
 ) -> tuple[np.ndarray, ...]:
     """Per prompt: sequence KL(policy || sft) on one policy sample (empty without `sft`), and the proxy reward of that
-    sample. The models live on `device`."""
+    sample. The models live on `device`; `engine` samples the policy (None: HF generate)."""
     params = SamplingParams(k=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.train.temperature)
     kls, proxies = [], []
     reward = ProxyReward(reward_model, device)
-    for s in sample(policy, tokenizer, prompts, params, cfg.eval.batch_size, device, score=reward, desc="evaluate"):
+    batches = sample(
+        policy, tokenizer, prompts, params, cfg.eval.batch_size, device, score=reward, desc="evaluate", engine=engine
+    )
+    for s in batches:
         b = s.batch
         inputs = (b.sequences, b.attn, b.positions, b.context, cfg.train.temperature)
         if sft is not None:
@@ -62,11 +65,13 @@ def run(cfg: Config) -> dict:
     tokenizer, device = load_tokenizer(cfg.path("sft")), runtime.device()
     policy, sft = (load_causal_lm(cfg.path(*parts)).to(device) for parts in (("train", "policy"), ("sft",)))
     rm = load_reward_model(cfg.path("reward", "model")).to(device)
-    texts = list(prompts["prompt"])
+    texts, length = list(prompts["prompt"]), cfg.eval.max_new_tokens
     torch.manual_seed(cfg.seed)
-    kl, proxy_policy = kl_and_proxy(policy, sft, rm, tokenizer, texts, cfg, device)
+    with stage_engine(cfg.eval.engine, cfg.path("train", "policy"), tokenizer, texts, length, device, cfg.seed) as e:
+        kl, proxy_policy = kl_and_proxy(policy, sft, rm, tokenizer, texts, cfg, device, e)
     torch.manual_seed(cfg.seed)  # the SFT's samples must not depend on how much randomness the policy used
-    _, proxy_sft = kl_and_proxy(sft, None, rm, tokenizer, texts, cfg, device)  # its KL to itself is 0
+    with stage_engine(cfg.eval.engine, cfg.path("sft"), tokenizer, texts, length, device, cfg.seed) as e:
+        _, proxy_sft = kl_and_proxy(sft, None, rm, tokenizer, texts, cfg, device, e)  # its KL to itself is 0
     proxy = {"policy": proxy_policy, "sft": proxy_sft}
 
     metrics = summarise(gold, kl, proxy)

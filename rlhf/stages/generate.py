@@ -11,7 +11,7 @@ import torch
 from rlhf import runtime
 from rlhf.config import Config
 from rlhf.generation.base import SamplingParams
-from rlhf.generation.sampling import sample
+from rlhf.generation.sampling import sample, stage_engine
 
 MODELS = {"policy": ("train", "policy"), "sft": ("sft",)}
 
@@ -24,12 +24,15 @@ def run(cfg: Config) -> dict:
     prompts = load_split(cfg.path("prepared"), "eval_prompts", EvalPrompts)
     params = SamplingParams(k=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature)
     frames, device = [], runtime.device()
+    texts_in = list(prompts["prompt"])
     for name, parts in MODELS.items():
         torch.manual_seed(cfg.seed)
         folder = cfg.path(*parts)
-        model, tokenizer = load_causal_lm(folder).to(device), load_tokenizer(folder)
-        batches = sample(model, tokenizer, list(prompts["prompt"]), params, cfg.eval.batch_size, device, desc=name)
-        texts = [text for s in batches for text in s.texts]
+        tokenizer = load_tokenizer(folder)
+        with stage_engine(cfg.eval.engine, folder, tokenizer, texts_in, params.max_new_tokens, device, cfg.seed) as e:
+            model = load_causal_lm(folder).to(device) if e is None else None  # vLLM loads the folder itself
+            batches = sample(model, tokenizer, texts_in, params, cfg.eval.batch_size, device, desc=name, engine=e)
+            texts = [text for s in batches for text in s.texts]
         frames.append(
             pd.DataFrame(
                 {"prompt_id": prompts["prompt_id"], "prompt": prompts["prompt"], "response": texts, "model": name}

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from rlhf import runtime
 from rlhf.config import Config
 from rlhf.generation.base import SamplingParams
-from rlhf.generation.sampling import sample
+from rlhf.generation.sampling import sample, stage_engine
 from rlhf.io import atomic_dir, write_json
 from rlhf.models.batch import attention_and_positions, pad_left, pad_right
 from rlhf.models.forward import pooled_hidden, sequence_scores
@@ -32,40 +32,15 @@ def sample_pairs(cfg: Config, policy, tokenizer, prompts: list[str], device, chu
     """Two SFT samples per prompt, decoded up to their first EOS (kept as token ids too, for training), sampled by
     reward.engine."""
     params = SamplingParams(k=2, max_new_tokens=cfg.reward.response_length, temperature=cfg.reward.temperature)
-    engine = _pair_engine(cfg, policy, tokenizer, prompts, device)
     rows = []
-    try:
-        batches = sample(
-            policy, tokenizer, prompts, params, chunk, device, desc="reward: sampling pairs", engine=engine
-        )
-        for s in batches:
+    sft, length = cfg.path("sft"), params.max_new_tokens
+    with stage_engine(cfg.reward.engine, sft, tokenizer, prompts, length, device, cfg.seed) as engine:
+        for s in sample(policy, tokenizer, prompts, params, chunk, device, desc="reward: pairs", engine=engine):
             ids, texts = s.batch.response_ids(), s.texts
             for j in range(len(texts) // 2):
                 a, b = 2 * j, 2 * j + 1
                 rows.append({"a": texts[a], "b": texts[b], "a_ids": ids[a], "b_ids": ids[b]})
-    finally:
-        if engine is not None:
-            engine.close()
     return pd.DataFrame([{"prompt": p, **row} for p, row in zip(prompts, rows)])
-
-
-def _pair_engine(cfg: Config, policy, tokenizer, prompts: list[str], device):
-    """A vLLM engine on the SFT folder for reward.engine=vllm; None = HF generate on `policy`."""
-    if cfg.reward.engine == "hf":
-        return None
-    from rlhf.generation.factory import make_engine
-
-    longest = max(len(ids) for ids in tokenizer(prompts)["input_ids"])
-    return make_engine(
-        "vllm",
-        policy,
-        cfg.path("sft"),
-        tokenizer,
-        device=device,
-        seed=cfg.seed,
-        max_model_len=longest + cfg.reward.response_length,
-        work_dir=cfg.path("reward"),  # only an async engine writes there
-    )
 
 
 def label_with_gold(pairs: pd.DataFrame, judge, min_margin: float) -> pd.DataFrame:

@@ -26,7 +26,7 @@ from rlhf.generation.base import Generated
 from rlhf.generation.weights import full_weights
 from rlhf.io import atomic_dir, write_text
 from rlhf.models.batch import ModelInput, assemble
-from rlhf.models.forward import response_logprobs, response_logprobs_and_values
+from rlhf.models.forward import reference_logprobs, response_logprobs, response_logprobs_and_values
 from rlhf.models.loading import save_policy
 from rlhf.runtime import crash_point
 from rlhf.tracking import Tracker
@@ -190,11 +190,12 @@ def _logprobs(run: Run, inputs: ModelInput, gen: Generated, chunk: int = 64):
     """Step 5: behaviour log-probs, reference log-probs (N, T), 0 on padding, and values (N, T) or None.
 
     Behaviour log-probs come from the training forward (so the on-policy ratio is exactly 1), unless the
-    objective only reports them (DPO, best-of-k) and the engine returned its own sampling log-probs.
+    objective only reports them (DPO, best-of-k) and the engine returned its own sampling log-probs. Reference
+    log-probs come from the engine when it computed them (train.score_in_engine), else from the learner's reference.
     """
     objective, temperature = run.objective, run.cfg.train.temperature
     behaviour = objective.needs_behaviour_logprobs or gen.logprobs is None
-    logps, refs, values = [], [], []
+    logps, values = [], []
     for i in range(0, len(inputs.sequences), chunk):
         rows = (inputs.sequences[i : i + chunk], inputs.attn[i : i + chunk], inputs.positions[i : i + chunk])
         if objective.needs_values:
@@ -203,11 +204,14 @@ def _logprobs(run: Run, inputs: ModelInput, gen: Generated, chunk: int = 64):
             values.append(v)
         elif behaviour:
             logps.append(response_logprobs(run.model, *rows, inputs.context, temperature))
+    if gen.ref_logprobs is not None:
+        ref_logp = gen.ref_logprobs.to(run.acc.device)
+    else:
         with run.acc.autocast():  # the reference computes as the policy does (bf16 under mixed precision)
-            refs.append(response_logprobs(run.ref, *rows, inputs.context, temperature))
+            ref_logp = reference_logprobs(run.ref, inputs, temperature, chunk)
     mask = inputs.response_mask
     logp = torch.cat(logps) if logps else gen.logprobs.to(run.acc.device)
-    return logp * mask, torch.cat(refs) * mask, torch.cat(values) if values else None
+    return logp * mask, ref_logp * mask, torch.cat(values) if values else None
 
 
 def _importance_weights(run: Run, logp: torch.Tensor, gen: Generated, inputs: ModelInput) -> torch.Tensor | None:

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import get_scheduler
 
 from rlhf.config import Config, TrainConfig, fingerprint
-from rlhf.generation.base import Engine, SamplingParams
+from rlhf.generation.base import Engine, ReferenceSpec, SamplingParams
 from rlhf.generation.factory import make_engine, placement
 from rlhf.generation.shared import SharedEngine
 from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
@@ -66,7 +66,7 @@ class Run:
     model: nn.Module  # what the optimizer steps: the policy, or policy + value (PPO); prepared by accelerate
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    ref: nn.Module | AdaptersOff  # the frozen SFT policy (with LoRA: the policy, adapters off): reference log-probs
+    ref: nn.Module | AdaptersOff | None  # the frozen SFT policy (LoRA: adapters off); None: the engine computes it
     engine: Engine  # who samples (rlhf.generation)
     tokenizer: object
     prompts: list[list[int]]  # the RL prompts as token ids; batch t takes its share by `prompts_of(t)`
@@ -110,7 +110,7 @@ def setup(cfg: Config) -> Run:
     # An engine in its own process builds vLLM (from the SFT folder) while this one loads its models.
     early = _start_engine_early(cfg, engine_name, tokenizer, prompts, reward)
     try:
-        policy, ref, value = _setup_models(cfg, objective.needs_values)
+        policy, ref, value = _setup_models(cfg, objective.needs_values, _scoring_side(c, engine_name) != "always")
         reward_fn, gold = _setup_reward(cfg, engine_name, reward)
         acc = _setup_accelerator(c)
         sizes = Sizes.derive(c, acc.num_processes)
@@ -118,7 +118,7 @@ def setup(cfg: Config) -> Run:
         model = PolicyAndValueWrapper(policy, value) if objective.needs_values else policy
         optimizer, scheduler = _setup_optimization(c, model, sizes)
         model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
-        ref = ref if isinstance(ref, AdaptersOff) else _place_frozen(ref, acc)
+        ref = ref if ref is None or isinstance(ref, AdaptersOff) else _place_frozen(ref, acc)
         reward_fn = reward_fn.placed(lambda m: _place_frozen(m, acc), acc.device) if reward_fn is not None else None
         policy = unwrap_policy(acc.unwrap_model(model))
         engine = _setup_engine(cfg, engine_name, early, policy, tokenizer, prompts, reward, acc)
@@ -143,10 +143,11 @@ def setup(cfg: Config) -> Run:
     )
 
 
-def _setup_models(cfg: Config, needs_values: bool):
+def _setup_models(cfg: Config, needs_values: bool, needs_reference: bool):
     """policy, reference (the SFT policy, frozen), value model (PPO: from the RM) or None, on the CPU.
 
     With train.lora.rank > 0 the policy gets LoRA adapters and the reference is the policy with them switched off.
+    Without LoRA the reference is a second copy, None when the engine computes every batch's reference log-probs.
 
     They load before the Accelerator exists: under ZeRO-3 an active DeepSpeed config would make transformers
     partition them at load time. `_place_frozen` and `Accelerator.prepare` then put them on the device.
@@ -163,7 +164,8 @@ def _setup_models(cfg: Config, needs_values: bool):
     if c.lora.rank:
         policy = add_adapters(policy, c.lora, cfg.seed)
         return policy, AdaptersOff(policy), value
-    return policy, load_causal_lm(cfg.path("sft")).requires_grad_(False), value
+    ref = load_causal_lm(cfg.path("sft")).requires_grad_(False) if needs_reference else None
+    return policy, ref, value
 
 
 def _place_frozen(model: nn.Module, acc: Accelerator) -> nn.Module:
@@ -254,6 +256,7 @@ def _make_engine(cfg: Config, name: str, policy, tokenizer, prompts, reward: Rew
         max_staleness=c.max_staleness,
         dtype=c.engine_dtype,
         reward=reward if score != "never" else None,
+        reference=ReferenceSpec(c.temperature, c.mixed_precision == "bf16") if score != "never" else None,
         score=score,
         where=where,
     )
