@@ -3,9 +3,12 @@ training processes sharing the engine (accelerate launch, ZeRO-2; on a 2-core CP
 so it is slower than 1 rank: the row shows that the paper's layout runs and where its time goes).
 
 Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`). Usage:
-    .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [--seeds 3] [key=value ...]
-Prints wall-clock time, episodes/s and final gold score for each, the speedups and the ideal overlap of the
-sync run, and writes them to bench/metrics/async_vs_sync.json (a DVC metrics file). Gold differences between
+    .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [--seeds 3] [--runs a,b]
+        [key=value ...]
+Prints wall-clock time, episodes/s, the per-step time breakdown and final gold score for each, the speedups and the
+ideal overlap of the sync run, and writes them to bench/metrics/async_vs_sync[_<profile>].json (a DVC metrics
+file), per seed too. Gold is the trained policy's samples on the eval prompts, drawn by the profile's
+`eval.engine`. Gold differences between
 two runs of 1,024 episodes are a few points from sampling alone, so sync and async run with several seeds
 (the colocated run with the first) and the gold gap is a mean over seeds, with its standard error.
 """
@@ -25,27 +28,31 @@ from common import column_sum, scratch_data, timed_train  # bench/ is sys.path[0
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = {"sync_hf": "online_dpo", "vllm_colocated": "online_dpo_single_vllm", "vllm_async": "online_dpo_vllm"}
-FIRST_SEED_ONLY = {"vllm_colocated", "vllm_async_2ranks"}
+FIRST_SEED_ONLY = {"vllm_colocated", "vllm_async_2ranks"}  # unless the colocated run is the sync baseline
 TWO_RANKS = {"vllm_async_2ranks": "online_dpo_vllm"}  # under accelerate launch --num_processes 2
+# train.csv's timing/* columns summed over the run; wait: the learner waiting for the engine (async only);
+# scoring_engine: scores and reference log-probs computed in the engine process (overlapped)
+BREAKDOWN = ("scoring", "reference", "update", "weight_sync", "wait", "scoring_engine", "engine_idle")
 
 
-def eval_gold(cfg, n_prompts: int = 512) -> float:
-    """Mean gold score of the trained policy's samples (train temperature) on the eval prompts."""
+def eval_gold(cfg) -> float:
+    """Mean gold score of the trained policy's samples (train temperature) on the eval prompts (all of them)."""
     from rlhf import runtime
     from rlhf.data.schemas import EvalPrompts
     from rlhf.data.splits import load_split
     from rlhf.generation.base import SamplingParams
-    from rlhf.generation.sampling import sample
+    from rlhf.generation.sampling import sample, stage_engine
     from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.gold import GoldJudge
 
     torch.manual_seed(cfg.seed)
-    prompts = list(load_split(cfg.path("prepared"), "eval_prompts", EvalPrompts)["prompt"])[:n_prompts]
-    folder = cfg.path("train", "policy")
-    params = SamplingParams(k=1, max_new_tokens=cfg.train.response_length, temperature=cfg.train.temperature)
-    device = runtime.device()
-    policy, tokenizer = load_causal_lm(folder).to(device), load_tokenizer(folder)
-    texts = [t for s in sample(policy, tokenizer, prompts, params, 64, device) for t in s.texts]
+    prompts = list(load_split(cfg.path("prepared"), "eval_prompts", EvalPrompts)["prompt"])
+    folder, length = cfg.path("train", "policy"), cfg.train.response_length
+    params = SamplingParams(k=1, max_new_tokens=length, temperature=cfg.train.temperature)
+    device, tokenizer = runtime.device(), load_tokenizer(folder)
+    with stage_engine(cfg.eval.engine, folder, tokenizer, prompts, length, device, cfg.seed) as engine:
+        policy = load_causal_lm(folder).to(device) if engine is None else None
+        texts = [t for s in sample(policy, tokenizer, prompts, params, 64, device, engine=engine) for t in s.texts]
     return float(GoldJudge.load(cfg.path("gold")).score(texts).mean())
 
 
@@ -57,21 +64,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="tiny")
     ap.add_argument("--seeds", type=int, default=3, help="sync and async runs per seed (seed, seed+1, ...)")
+    ap.add_argument(
+        "--runs",
+        default=",".join({**RUNS, **TWO_RANKS}),
+        help="which runs, comma-separated (default: all); the sync baseline is sync_hf if chosen, else vllm_colocated",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    chosen = args.runs.split(",")
+    unknown = sorted(set(chosen) - {*RUNS, *TWO_RANKS})
+    if unknown or "vllm_async" not in chosen or not {"sync_hf", "vllm_colocated"} & set(chosen):
+        raise SystemExit(f"--runs: {args.runs!r}: needs vllm_async and a sync run among {[*RUNS, *TWO_RANKS]}")
     base = load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
+    all_runs = {**RUNS, **TWO_RANKS}
+    once = FIRST_SEED_ONLY - ({"vllm_colocated"} if "sync_hf" not in chosen else set())
     per_seed = [
-        run_all(
-            args,
-            base + i,
-            {**RUNS, **TWO_RANKS} if i == 0 else {k: v for k, v in RUNS.items() if k not in FIRST_SEED_ONLY},
-        )
+        run_all(args, base + i, {k: v for k, v in all_runs.items() if k in chosen and (i == 0 or k not in once)})
         for i in range(args.seeds)
     ]
-    results = per_seed[0]
-    gaps = [100 * (r["vllm_async"]["final_gold"] - r["sync_hf"]["final_gold"]) for r in per_seed]
-    speedups = [r["sync_hf"]["loop_seconds"] / r["vllm_async"]["loop_seconds"] for r in per_seed]
-    summarise(args, results, gaps, speedups)
+    summarise(args, per_seed)
 
 
 def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
@@ -92,8 +103,7 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
             "generation_seconds": column_sum(rows, "timing/generation"),
             "learner_seconds": loop
             - (column_sum(rows, "timing/wait") if "async" in name else column_sum(rows, "timing/generation")),
-            "update_seconds": column_sum(rows, "timing/update"),
-            "wait_seconds": column_sum(rows, "timing/wait"),  # the learner waiting for the engine (async only)
+            **{f"{part}_seconds": column_sum(rows, f"timing/{part}") for part in BREAKDOWN},
             "final_gold": eval_gold(cfg),
             "max_staleness_seen": max(float(r["async/staleness"]) for r in rows),
         }
@@ -115,20 +125,23 @@ def launched_train(cfg, settings: list[str], profile: str, processes: int = 2) -
         return wall, list(csv.DictReader(f))
 
 
-def summarise(args, results: dict[str, dict], gaps: list[float], speedups: list[float]) -> None:
+def summarise(args, per_seed: list[dict[str, dict]]) -> None:
+    """Print the first seed's table, the speedups against the sync baseline, the gold gap over seeds (mean, SE);
+    write them all, every seed's runs too, as a DVC metrics file."""
+    from common import cpu_flags
+
     from rlhf.io import write_json
 
-    sync = results["sync_hf"]
+    results, sync_name = per_seed[0], "sync_hf" if "sync_hf" in per_seed[0] else "vllm_colocated"
+    gaps = [100 * (r["vllm_async"]["final_gold"] - r[sync_name]["final_gold"]) for r in per_seed]
+    speedups = [r[sync_name]["loop_seconds"] / r["vllm_async"]["loop_seconds"] for r in per_seed]
+    sync = results[sync_name]
     ideal = (sync["generation_seconds"] + sync["learner_seconds"]) / max(
         sync["generation_seconds"], sync["learner_seconds"]
     )
     summary = {
         "ideal_overlap_of_sync": ideal,
-        "speedup_async_vs_sync": sync["loop_seconds"] / results["vllm_async"]["loop_seconds"],
-        "speedup_colocated_vs_sync": sync["loop_seconds"] / results["vllm_colocated"]["loop_seconds"],
-        "speedup_async_vs_colocated": results["vllm_colocated"]["loop_seconds"] / results["vllm_async"]["loop_seconds"],
-        "speedup_async_2ranks_vs_1rank": results["vllm_async"]["loop_seconds"]
-        / results["vllm_async_2ranks"]["loop_seconds"],
+        "speedup_async_vs_sync": speedups[0],
         "gold_async_minus_sync_points": statistics.mean(gaps),
         "gold_async_minus_sync_points_stderr": statistics.stdev(gaps) / len(gaps) ** 0.5
         if len(gaps) > 1
@@ -136,29 +149,39 @@ def summarise(args, results: dict[str, dict], gaps: list[float], speedups: list[
         "speedup_async_vs_sync_mean_over_seeds": statistics.mean(speedups),
         "seeds": len(gaps),
     }
+    if sync_name == "sync_hf" and "vllm_colocated" in results:
+        colocated = results["vllm_colocated"]["loop_seconds"]
+        summary["speedup_colocated_vs_sync"] = sync["loop_seconds"] / colocated
+        summary["speedup_async_vs_colocated"] = colocated / results["vllm_async"]["loop_seconds"]
+    if "vllm_async_2ranks" in results:
+        two = results["vllm_async_2ranks"]["loop_seconds"]
+        summary["speedup_async_2ranks_vs_1rank"] = results["vllm_async"]["loop_seconds"] / two
     summary["async_speedup_fraction_of_ideal"] = summary["speedup_async_vs_sync"] / ideal
     print(
-        f"\nonline DPO, profile {args.profile}, {args.seeds} seed(s) (table: the first) (torch threads: "
-        f"{torch.get_num_threads()})"
+        f"\nonline DPO, profile {args.profile}, sync = {sync_name}, {args.seeds} seed(s) (table: the first) "
+        f"(torch threads: {torch.get_num_threads()}; CPU: {cpu_flags()})"
     )
-    header = ("run", "wall s", "loop s", "eps", "gen s", "learner s", "update s", "wait s", "gold", "stale")
-    print(f"{header[0]:<18}" + "".join(f"{h:>10}" for h in header[1:]))
+    keys = ("wall", "loop", "episodes_per_second", "generation", "learner", *BREAKDOWN, "final_gold")
+    labels = ("wall s", "loop s", "eps/s", "gen s", "learner s", "score s", "ref s", "update s", "sync s", "wait s")
+    labels += ("eng scr s", "eng idle s", "gold")
+    print(f"{'run':<18}" + "".join(f"{label:>11}" for label in labels))
     for name, r in results.items():
-        keys = ("wall_seconds", "loop_seconds", "episodes_per_second", "generation_seconds", "learner_seconds")
-        keys += ("update_seconds", "wait_seconds", "final_gold", "max_staleness_seen")
-        print(f"{name:<18}" + "".join(f"{r[k]:>10.3f}" if k == "final_gold" else f"{r[k]:>10.1f}" for k in keys))
+        cells = (r[k if k in ("episodes_per_second", "final_gold") else f"{k}_seconds"] for k in keys)
+        print(
+            f"{name:<18}" + "".join(f"{c:>11.3f}" if k == "final_gold" else f"{c:>11.1f}" for k, c in zip(keys, cells))
+        )
     for key, value in summary.items():
-        print(f"{key:<34}{value:8.3f}")
+        print(f"{key:<38}{value:8.3f}")
     print(
         "per seed: async/sync speedup "
         + ", ".join(f"{x:.2f}" for x in speedups)
         + "; gold async - sync (points) "
         + ", ".join(f"{g:+.1f}" for g in gaps)
     )
-    write_json(
-        ROOT / "bench" / "metrics" / "async_vs_sync.json",
-        {**summary, **{f"{n}/{k}": v for n, r in results.items() for k, v in r.items()}},
-    )
+    name = "async_vs_sync" + ("" if args.profile == "tiny" else f"_{args.profile}") + ".json"
+    first = {f"{n}/{k}": v for n, r in results.items() for k, v in r.items()}
+    later = {f"seed{i}/{n}/{k}": v for i, rs in enumerate(per_seed[1:], 1) for n, r in rs.items() for k, v in r.items()}
+    write_json(ROOT / "bench" / "metrics" / name, {**summary, "cpu_flags": cpu_flags(), **first, **later})
 
 
 if __name__ == "__main__":
