@@ -89,15 +89,17 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
 def test_two_ranks_sharing_the_async_engine_resume_exactly(ci_data, tmp_path):
     """2 training processes (ZeRO-2), one vLLM engine on rank 0 sampling a batch ahead: SIGKILL both ranks after an
     update, resume from the newest checkpoint (the ranks' states and the in-flight weights; older ones pruned to
-    train.keep_checkpoints), get the uninterrupted result."""
+    train.keep_checkpoints), get the uninterrupted result. The uninterrupted run scores and computes the reference
+    in the engine, the other in the learner: per rank, the same floats (what score_in_engine: auto relies on)."""
     crashed = tmp_path / "crashed"
     shutil.copytree(ci_data, crashed)
-    done = run_stage(ci_data, "online_dpo_vllm", processes=2)
+    done = run_stage(ci_data, "online_dpo_vllm", processes=2, extra=("train.score_in_engine=always",))
     assert done.returncode == 0, done.stderr[-3000:]
     with open(ci_data / "plots" / "train.csv") as f:
         assert [float(r["async/staleness"]) for r in csv.DictReader(f)] == [0.0, 1.0, 1.0, 1.0]
 
-    first = run_stage(crashed, "online_dpo_vllm", crash="after_update:3", processes=2)  # checkpoints after 1, 2, 3
+    in_learner = ("train.score_in_engine=never",)
+    first = run_stage(crashed, "online_dpo_vllm", crash="after_update:3", processes=2, extra=in_learner)  # ckpts 1-3
     assert killed(first, 2), first.stderr[-3000:]
     [ckpt_dir] = (crashed / "checkpoints").iterdir()
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000002", "batch-000003"]  # keep_checkpoints: 2
@@ -105,7 +107,7 @@ def test_two_ranks_sharing_the_async_engine_resume_exactly(ci_data, tmp_path):
     assert {"rank_state_0.json", "rank_state_1.json", "trainer_state.json"} <= {p.name for p in latest.iterdir()}
     assert (latest / "engine" / "v000002" / "model.safetensors").is_file()  # batch 3 is sampled with version 2
 
-    last = run_stage(crashed, "online_dpo_vllm", processes=2)
+    last = run_stage(crashed, "online_dpo_vllm", processes=2, extra=in_learner)
     assert last.returncode == 0, last.stderr[-3000:]
     assert "resumed from" in last.stdout + last.stderr
     assert results(crashed) == results(ci_data)

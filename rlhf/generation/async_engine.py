@@ -7,8 +7,8 @@ Processes and channels:
   to watch, to kill and to pin, no grandchild left behind when it dies, and a ~3 s engine start instead of
   ~19 s for vLLM's own engine-core process.
 - trainer -> engine: a bounded multiprocessing Queue of messages handled strictly in order,
-  ("weights", SharedWeights, version) and ("generate", batch, prompts, params). Bounded at 2(N+2) messages; the
-  loop never has more than N+1 batches and N+1 weight versions outstanding.
+  ("weights", SharedWeights, version) and ("generate", batch, prompts, params, score, parts). Bounded at 2(N+2)
+  messages; the loop never has more than N+1 batches and N+1 weight versions outstanding.
 - engine -> trainer: a one-way Pipe whose write end only the engine holds, so the engine's death reads as EOF
   (a Queue would leave a read blocked forever on a half-written message). The engine sends from a thread
   with a bounded buffer, so a large result never stops it from starting the next batch.
@@ -125,10 +125,10 @@ class AsyncEngine:
     def seek(self, batch: int) -> None:
         self._next_batch = batch
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, parts: list[int] | None = None) -> None:
         batch = self._next_batch
         score = self._score == "always" or (self._score == "auto" and self._learner_wait <= self._engine_idle)
-        self._put(("generate", batch, prompts, params, score))
+        self._put(("generate", batch, prompts, params, score, parts or [len(prompts)]))
         self._pending.append(batch)
         self._next_batch += 1
 

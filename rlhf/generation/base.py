@@ -50,8 +50,9 @@ class Engine(Protocol):
     def seek(self, batch: int) -> None:
         """The next submitted batch is run batch number `batch` (engines that seed per batch seed from it)."""
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """Queue one batch of prompts (token ids, no padding)."""
+    def submit(self, prompts: list[list[int]], params: SamplingParams, parts: list[int] | None = None) -> None:
+        """Queue one batch of prompts (token ids, no padding). parts: how many of them each training rank sent
+        (rlhf.generation.shared); an engine that scores the batch does so part by part, as each rank would."""
 
     def receive(self) -> Generated:
         """The oldest submitted batch, generated."""

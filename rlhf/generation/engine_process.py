@@ -80,8 +80,8 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
 
 
 def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> None:
-    """Handle ("weights", SharedWeights, version) and ("generate", batch, prompts, params, score) in order; each
-    result carries the seconds the engine was idle and reloading since the previous one."""
+    """Handle ("weights", SharedWeights, version) and ("generate", batch, prompts, params, score, parts) in order;
+    each result carries the seconds the engine was idle and reloading since the previous one."""
     idle = reload = 0.0
     while True:
         waited = time.perf_counter()
@@ -95,10 +95,11 @@ def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> 
             del msg, weights  # vLLM holds its own copy now: the trainer may reuse the shared buffers
             outbox.send(("ack", version))
         elif msg[0] == "generate":
-            _, batch, prompts, params, score = msg
+            _, batch, prompts, params, score, parts = msg
             gen = engine.generate(prompts, params, batch)
             scored = time.perf_counter()
-            scores, refs = scorer(prompts, gen.responses, params) if scorer is not None and score else (None, None)
+            scored_here = scorer is not None and score
+            scores, refs = scorer(prompts, gen.responses, params, parts) if scored_here else (None, None)
             scoring = time.perf_counter() - scored
             arrays = (gen.responses.numpy(), gen.logprobs.numpy(), scores, refs)
             outbox.send(("result", batch, *arrays, gen.prompts, gen.version, gen.seconds, idle, reload, scoring))
@@ -122,8 +123,17 @@ class _Scorer:
         if spec.reference is not None:
             self.ref_model = load_causal_lm(Path(spec.model_folder)).requires_grad_(False).to(device).eval()
 
-    def __call__(self, prompts: list[list[int]], responses: torch.Tensor, params) -> tuple[np.ndarray, np.ndarray]:
-        """(scores (N,), reference log-probs (N, T) or None) of a sampled batch, as numpy arrays to send."""
+    def __call__(self, prompts: list[list[int]], responses: torch.Tensor, params, parts: list[int]):
+        """(scores (N,), reference log-probs (N, T) or None) of a sampled batch, as numpy arrays to send. The
+        batch is scored part by part (one per training rank), each assembled as its rank would assemble it: the
+        same padding, so the same floats as when the learner scores it (train.score_in_engine: auto)."""
+        starts = np.cumsum([0, *parts])
+        rows = [responses[s * params.k : e * params.k] for s, e in zip(starts[:-1], starts[1:])]
+        results = [self._score_part(prompts[s:e], r, params) for s, e, r in zip(starts[:-1], starts[1:], rows)]
+        scores = np.concatenate([s for s, _ in results])
+        return scores, None if self.reference is None else np.concatenate([r for _, r in results])
+
+    def _score_part(self, prompts: list[list[int]], responses: torch.Tensor, params) -> tuple[np.ndarray, np.ndarray]:
         from rlhf.models.batch import assemble
         from rlhf.models.forward import reference_logprobs
 

@@ -57,7 +57,7 @@ class HFEngine:
         self.version = 0
         self._queue: deque = deque()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, parts: list[int] | None = None) -> None:
         self._queue.append((prompts, params))
 
     @torch.no_grad()

@@ -40,8 +40,9 @@ class SharedEngine:
         parts = [None] * self.world if self.rank == 0 else None
         dist.gather_object(prompts, parts, dst=0)
         if self.engine is not None:
-            self.engine.submit([p for part in parts for p in part], params)
-            self._counts.append([len(part) for part in parts])
+            counts = [len(part) for part in parts]
+            self.engine.submit([p for part in parts for p in part], params, counts)
+            self._counts.append(counts)
 
     def receive(self) -> Generated:
         parts = None

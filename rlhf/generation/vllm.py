@@ -165,7 +165,7 @@ class VLLMEngine:
     def seek(self, batch: int) -> None:
         self.next_batch = batch
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, parts: list[int] | None = None) -> None:
         self._queue.append((prompts, params, self.next_batch))
         self.next_batch += 1
 
