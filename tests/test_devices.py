@@ -112,5 +112,5 @@ def test_the_async_engine_scores_and_computes_the_reference_on_its_device(ci_dat
     prompts = [tokenizer("the film was")["input_ids"], tokenizer("a")["input_ids"]]
     responses = torch.randint(4, 40, (4, 6))  # 2 prompts x k=2, in host memory as vLLM returns them
     with training_device_elsewhere() as device:
-        scores, refs = _Scorer(spec, device)(prompts, responses, SamplingParams(2, 6, 0.7))
+        scores, refs = _Scorer(spec, device)(prompts, responses, SamplingParams(2, 6, 0.7), parts=[1, 1])
     assert scores.shape == (4,) and refs.shape == (4, 6)
