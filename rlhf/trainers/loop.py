@@ -69,6 +69,9 @@ def train(cfg: Config) -> dict:
             if cfg.train.save_every and state.batch % cfg.train.save_every == 0 and state.batch < num_batches:
                 save(run, tracker, state)
         final = finish(run, tracker, state)
+    # Every rank, on success only (a failed rank's peers may still be in a collective): gloo's worker threads
+    # must stop while the interpreter is alive, else a rank can abort at exit (SIGABRT) after a good run.
+    run.acc.end_training()
     if run.acc.is_main_process:  # the run's result is saved: its resume points are no longer needed
         shutil.rmtree(run.ckpt_dir, ignore_errors=True)
     return final
