@@ -4,6 +4,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# `dvc plots show/diff` render offline with this page (.dvc/config: plots.html_template; rlhf/plots_page.py).
+PLOTS_PAGE := .cache/dvc_plots_template.html
 # Runs a command with the offline/quiet environment and project-local caches (rlhf/runtime.py).
 ENV := $(VENV)/bin/python -m rlhf.runtime
 PYTEST_ARGS ?=
@@ -18,9 +20,9 @@ VLLM ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # pip's download cache too stays inside the project (nothing lands in the user's home).
 export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
 
-.PHONY: setup run test lint gpu-smoke serve chromium clean-venv
+.PHONY: setup run plots test lint gpu-smoke serve chromium clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) $(PLOTS_PAGE)
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -32,11 +34,18 @@ $(STAMP): pyproject.toml
 	[ "$(VLLM)" = gpu ] || $(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-run: $(STAMP)
+$(PLOTS_PAGE): $(STAMP)
+	$(ENV) python -m rlhf.plots_page $(PLOTS_PAGE)
+
+run: $(STAMP) $(PLOTS_PAGE)
 	$(ENV) dvc repro
 	$(ENV) rlhf report
 
-test: lint $(STAMP) chromium
+# The pipeline's charts as one page, drawn offline: dvc_plots/index.html (open it in a browser).
+plots: $(STAMP) $(PLOTS_PAGE)
+	$(ENV) dvc plots show
+
+test: lint $(STAMP) $(PLOTS_PAGE) chromium
 	$(ENV) python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Style (ruff, line length 120) and the layer rules (import-linter: [tool.importlinter] in pyproject.toml).

@@ -8,13 +8,18 @@ One run:
      rlhf.config before any stage runs (a bad config fails at once, without retries);
   3. every dvc.yaml stage, in dependency order, as a `stage` task (`dvc repro --single-item <stage>`);
      stages whose inputs are unchanged come back from DVC's run-cache instead of running;
-  4. `dvc exp save --name <experiment>` there, and its ref fetched into the project: `dvc exp show` lists
-     the run with its params and metrics; `dvc exp apply <experiment>` brings its outputs into the checkout;
-  5. the clone is removed (its outputs stay in the shared DVC cache).
+  4. `rlhf report` there (data/report/index.html);
+  5. `dvc exp save --name <experiment>` there (the report included), and its ref fetched into the project:
+     `dvc exp show` lists the run with its params and metrics; `dvc exp apply <experiment>` brings its outputs
+     into the checkout;
+  6. the run's results as Prefect artifacts, visible in the UI beside its task states: the metrics and the
+     win-rate vs KL frontier as tables, where to find the report;
+  7. the clone is removed (its outputs stay in the shared DVC cache).
 """
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import shutil
@@ -33,6 +38,7 @@ from rlhf.config import load_config
 from rlhf.presets import PRESETS
 from tasks.stages import Pipeline, run_stage
 
+REPORT = "data/report/index.html"  # written by `rlhf report` (rlhf/report.py)
 TRAINERS: tuple[str, ...] = tuple(PRESETS)
 Trainer = Literal[TRAINERS]  # type: ignore[valid-type]  # a dropdown in the Prefect UI
 
@@ -78,15 +84,40 @@ def workspace(project: Path, name: str) -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@task(name="report", task_run_name="report", cache_policy=NONE)
+def write_report(ws: str) -> None:
+    """`rlhf report` in the workspace: data/report/index.html, saved with the experiment."""
+    run_tool(["rlhf", "report"], Path(ws))
+
+
+@task(name="artifacts", task_run_name="artifacts", cache_policy=NONE)
+def publish_artifacts(ws: str, name: str, metrics: dict[str, dict]) -> None:
+    """The run's results as Prefect artifacts: every metric and the frontier (data/plots/frontier.csv) as tables,
+    and a note saying where the report is. After `dvc exp save`: they need the API server, the experiment does not."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    rows = [{"file": f, "metric": k, "value": v} for f, values in metrics.items() for k, v in sorted(values.items())]
+    create_table_artifact(rows, key="rlhf-metrics", description=f"experiment {name}: the metrics files")
+    if (frontier := Path(ws) / "data" / "plots" / "frontier.csv").exists():
+        with open(frontier, newline="") as f:
+            points = list(csv.DictReader(f))
+        create_table_artifact(points, key="rlhf-frontier", description=f"experiment {name}: win-rate vs KL")
+    note = (
+        f"### Experiment `{name}`\n\nThe report (the frontier, reward/gold/KL over episodes, a step's time by "
+        f"phase, the async timeline) is saved with the experiment: `dvc exp apply {name}`, then open `{REPORT}`."
+    )
+    create_markdown_artifact(note, key="rlhf-report", description=f"experiment {name}: the report")
+
+
 @task(name="dvc exp save", task_run_name="dvc exp save", cache_policy=NONE)
 def save_experiment(project: str, ws: str, name: str, metrics: list[str]) -> str:
     """`dvc exp save` the workspace as experiment `name` and fetch its ref into the project.
 
-    dvc.lock and the metrics/plots files go in: they are `cache: false` outputs that git ignores, and `-I`
-    puts them in the experiment commit so `dvc exp show` / `dvc plots diff` can read them. Returns the ref.
+    dvc.lock, the metrics/plots files and the report go in: `cache: false` outputs and a page that git ignores;
+    `-I` puts them in the experiment commit so `dvc exp show` / `dvc plots diff` can read them. Returns the ref.
     """
     ws_path = Path(ws)
-    files = ["dvc.lock", *metrics]
+    files = ["dvc.lock", *metrics, REPORT]
     files += [str(p.relative_to(ws_path)) for p in sorted((ws_path / "data" / "plots").glob("*.csv"))]
     includes = [arg for f in dict.fromkeys(files) if (ws_path / f).exists() for arg in ("-I", f)]
     out = run_tool(["dvc", "exp", "save", "--name", name, *includes], ws_path)
@@ -138,6 +169,8 @@ def rlhf(
             upstream = [futures[u] for u in pipeline.upstream[stage]]
             futures[stage] = run_stage.submit(stage, str(ws), pipeline.metrics[stage], wait_for=upstream)
             metrics.update(futures[stage].result())  # one stage at a time: the stages share the machine
+        write_report(str(ws))
         save_experiment(str(project), str(ws), name, [m for stage in pipeline.order for m in pipeline.metrics[stage]])
+        publish_artifacts(str(ws), name, metrics)
     logger.info("saved DVC experiment %s: `dvc exp show` lists it, `dvc exp apply %s` checks it out", name, name)
     return {"experiment": name, "metrics": metrics}

@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved configuration as YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     sub.add_parser("profiles", help="list the profiles in params.yaml")
-    sub.add_parser("report", help="print the final metrics of the pipeline as a table")
+    sub.add_parser("report", help="print the final metrics as a table and write data/report/index.html (charts)")
     return parser
 
 

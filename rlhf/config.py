@@ -258,6 +258,12 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(
         2, ge=1, description="how many of the newest resume checkpoints to keep while the run goes on (older deleted)"
     )
+    eval_checkpoints: list[float] = Field(
+        [0.25, 0.5, 0.75, 1.0],
+        min_length=1,
+        description="fractions of the run after which the policy is kept (data/train/frontier; 1.0 = the final "
+        "policy) for `evaluate` to place on the win-rate vs KL frontier (data/plots/frontier.csv)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -273,6 +279,9 @@ class TrainConfig(_Section):
                 f"train.tis_cap weights policy-gradient advantages: it applies to "
                 f"{', '.join(POLICY_GRADIENT_ALGORITHMS)}, not {self.trainer}"
             )
+        fractions = self.eval_checkpoints
+        if not all(0 < f <= 1 for f in fractions) or sorted(set(fractions)) != fractions:
+            raise ValueError(f"train.eval_checkpoints must rise within (0, 1], got {fractions}")
         if algorithm in GROUP_ALGORITHMS and self.k < 2:
             raise ValueError(f"train.k must be >= 2 for trainer {self.trainer} (it compares samples of one prompt)")
         return self

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from rlhf.config import Config
 from rlhf.io import write_json
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 STEP = "train/episode"
 COMPLETION_COLUMNS = ["prompt", "completion", "reward", "gold"]
@@ -34,6 +39,50 @@ def wandb_mode(setting: str, env: Mapping[str, str]) -> str:
     return "online" if env.get("WANDB_API_KEY") else "offline"
 
 
+def start_wandb(cfg: Config, stage: str, run_id: str | None = None):
+    """A W&B run of job_type `stage` in the mode wandb_mode() picks; run_id continues a resumed run."""
+    import wandb
+
+    mode = wandb_mode(cfg.tracking.wandb_mode, os.environ)
+    try:
+        return wandb.init(
+            project=cfg.tracking.wandb_project,
+            job_type=stage,
+            mode=mode,
+            config=cfg.model_dump(mode="json"),
+            dir=os.environ.get("WANDB_DIR"),
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
+    except wandb.errors.UsageError as e:  # e.g. online without a key: one line, not W&B's traceback
+        raise ValueError(
+            f"tracking.wandb_mode={mode}: W&B refused to start ({str(e).splitlines()[0]}); set WANDB_API_KEY "
+            "or use tracking.wandb_mode=offline (and `wandb sync` later)"
+        ) from None
+
+
+def log_results(
+    cfg: Config,
+    stage: str,
+    summary: Mapping[str, float],
+    tables: Mapping[str, pd.DataFrame] | None = None,
+    images: Mapping[str, bytes] | None = None,
+) -> None:
+    """One W&B run of job_type `stage` holding results rather than curves: `summary`, each table as a W&B table
+    and each PNG as an image (evaluate: the frontier; `rlhf report`: its charts). Nothing when W&B is disabled."""
+    if cfg.tracking.wandb_mode == "disabled":
+        return
+    import wandb
+    from PIL import Image
+
+    run = start_wandb(cfg, stage)
+    logged = {name: wandb.Table(dataframe=df) for name, df in (tables or {}).items()}
+    logged |= {name: wandb.Image(Image.open(io.BytesIO(png))) for name, png in (images or {}).items()}
+    run.log(logged)
+    run.summary.update(dict(summary))
+    run.finish()
+
+
 class Tracker:
     """Log a row of scalars per step; `finish` writes the final metrics JSON. Main process only."""
 
@@ -49,24 +98,7 @@ class Tracker:
         if not enabled:
             return
         if cfg.tracking.wandb_mode != "disabled":
-            import wandb
-
-            mode = wandb_mode(cfg.tracking.wandb_mode, os.environ)
-            try:
-                self.run = wandb.init(
-                    project=cfg.tracking.wandb_project,
-                    job_type=stage,
-                    mode=mode,
-                    config=cfg.model_dump(mode="json"),
-                    dir=os.environ.get("WANDB_DIR"),
-                    id=run_id,
-                    resume="allow" if run_id else None,
-                )
-            except wandb.errors.UsageError as e:  # e.g. online without a key: one line, not W&B's traceback
-                raise ValueError(
-                    f"tracking.wandb_mode={mode}: W&B refused to start ({str(e).splitlines()[0]}); set WANDB_API_KEY "
-                    "or use tracking.wandb_mode=offline (and `wandb sync` later)"
-                ) from None
+            self.run = start_wandb(cfg, stage, run_id)
             self.run.define_metric(STEP)
             self.run.define_metric("*", step_metric=STEP)
 

@@ -77,6 +77,18 @@ def run_ok(cmd: list[str], cwd: Path, env: dict, timeout: float = 60) -> str:
     return proc.stdout + proc.stderr
 
 
+def chromium(profile_dir: Path, offline: bool = False) -> list[str]:
+    """Headless Chromium as a command line (append --dump-dom URL or --screenshot=... URL); scripts get 15 s of
+    virtual time. offline: every host name fails to resolve, as on a machine without network."""
+    path = shutil.which("chromium")
+    if path is None:
+        pytest.fail("chromium not installed: `make test` installs it (make chromium)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
+    flags += ["--disable-component-update", "--disable-sync", f"--user-data-dir={profile_dir}"]
+    flags += ["--virtual-time-budget=15000", *(["--host-resolver-rules=MAP * ~NOTFOUND"] if offline else [])]
+    return [path, *flags]
+
+
 def make_dvc_repo(path: Path, cache: Path | None = None) -> Path:
     """A git+DVC copy of the project's pipeline: dvc.yaml, params.yaml and the `rlhf` code its stages depend on.
 

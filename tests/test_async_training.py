@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import signal
 import subprocess
 import time
@@ -13,6 +14,7 @@ from conftest import ROOT, accelerate_launch, ci_config, rlhf_command
 from test_resume import results
 from transformers import AutoModelForCausalLM
 
+from rlhf import report
 from rlhf.generation.base import Generated
 from rlhf.generation.factory import Placement, placement
 from rlhf.generation.shared import split_by_rank
@@ -168,3 +170,9 @@ def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
     first, second = results(ci_data), results(other)
     assert first[0]["final/objective/scores"] != 0  # it did train and log something
     assert first == second
+    # the report's timeline: how much of the engine's work the learner never waited for
+    page, charts = report.write_report(ci_config(ci_data))
+    page = page.read_text()
+    assert set(charts) == set(report.SECTIONS[2:])  # no evaluate run: no frontier
+    assert re.search(r"The engine worked [\d.]+ s .* waited [\d.]+ s for batches: -?\d+% of the engine's work", page)
+    assert page.count("<img") == 3  # over episodes, step phases, timeline (no evaluate run: no frontier)

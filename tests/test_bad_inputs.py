@@ -143,7 +143,8 @@ def stopped_run(ci_stages, tmp_path_factory):
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     [ckpt_dir] = (data / "checkpoints").iterdir()
-    assert [p.name for p in ckpt_dir.iterdir()] == ["batch-000001"]
+    # batch 0's checkpoint, and its policy kept for the frontier (train.eval_checkpoints: batches 1 and 2 of 3)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000001", "frontier"]
     return data
 
 
@@ -166,7 +167,7 @@ def _fill_nan(folder, load) -> None:
 
 
 def _assert_only_the_good_checkpoint(data, ckpt, digest) -> None:
-    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["batch-000001"]  # nothing partial next to it
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["batch-000001", "frontier"]  # nothing partial beside
     assert folder_digest(ckpt) == digest
     assert not (data / "train" / "policy").exists() and not (data / "metrics" / "train.json").exists()
 

@@ -1,14 +1,16 @@
 """The DVC pipeline end to end on the `ci` profile, in a temporary git + DVC repository (real `dvc repro`)."""
 
+import csv
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, chromium
 
 pytestmark = pytest.mark.slow
 
@@ -51,6 +53,8 @@ def repo(tmp_path_factory, dvc_cache):
     sh("dvc", "init", "-q", cwd=repo)
     sh("dvc", "config", "core.analytics", "false", cwd=repo)
     sh("dvc", "config", "--local", "cache.dir", str(dvc_cache), cwd=repo)
+    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")  # the project's: its offline plots page
+    sh(sys.executable, "-m", "rlhf.plots_page", cwd=repo)  # what `make setup` does
     sh("dvc", "repro", cwd=repo)
     sh("git", "add", "-A", cwd=repo)
     sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "ci pipeline", cwd=repo)
@@ -68,12 +72,62 @@ def test_metrics_files_have_their_keys_and_sane_values(repo):
     assert ev["kl/policy_sft_std"] >= 0
     assert 0.5 <= metrics["gold"]["accuracy"] <= 1.0
     assert 0.0 <= metrics["reward"]["agreement_heldout"] <= 1.0
+    with open(repo / "data" / "plots" / "frontier.csv") as f:
+        frontier = list(csv.DictReader(f))
+    # the SFT policy, the policy kept after batch 1 of 2 (train.eval_checkpoints), the final one: 8 prompts a batch
+    assert [(int(r["episode"]), float(r["fraction"])) for r in frontier] == [(0, 0.0), (8, 0.5), (16, 1.0)]
+    assert float(frontier[0]["kl"]) == 0.0 and float(frontier[0]["win_rate_vs_sft"]) == 0.5
+    final = {k: float(v) for k, v in frontier[-1].items()}
+    assert final["win_rate_vs_sft"] == ev["gold/win_rate_vs_sft"]
+    assert math.isclose(final["kl"], ev["kl/policy_sft_mean"])
+    assert (repo / "data" / "train" / "frontier" / "episode-0000008" / "model.safetensors").is_file()
 
 
 def test_a_second_repro_changes_nothing(repo):
     out = sh("dvc", "repro", cwd=repo).stdout
     assert "didn't change, skipping" in out and "Running stage" not in out
     assert sh("git", "status", "--porcelain", cwd=repo).stdout.strip() == ""
+
+
+def drawn_offline(page, tmp_path) -> str:
+    """The page's DOM after headless Chromium, with no host name resolving, ran its scripts."""
+    html = page.read_text()
+    assert "<script src" not in html and "cdn." not in html  # DVC's CDN tags stay out (rlhf/plots_page.py)
+    proc = subprocess.run(
+        [*chromium(tmp_path / "chromium", offline=True), "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    return proc.stdout
+
+
+def test_dvc_plots_show_draws_every_chart_offline(repo, tmp_path):
+    sh("dvc", "plots", "show", "-o", str(tmp_path / "plots"), cwd=repo)
+    dom = drawn_offline(tmp_path / "plots" / "index.html", tmp_path)
+    # vega-embed drew each chart as SVG: 3 line charts of train.csv, the frontier (dvc.yaml), the eval bar chart
+    assert dom.count("<svg") >= 5, dom[:2000]
+    assert dom.count('class="mark-line role-mark') >= 4 and 'class="mark-rect role-mark' in dom
+    assert dom.count("<path") > 20  # the marks have geometry
+
+
+def test_the_report_has_every_section_and_its_charts_load_offline(repo, tmp_path):
+    from rlhf.report import SECTIONS
+
+    out = sh("rlhf", "report", cwd=repo).stdout
+    page = repo / "data" / "report" / "index.html"
+    assert f"report: {page.relative_to(repo)}" in out, out
+    html = page.read_text()
+    assert all(f"<h2>{title}</h2>" in html for title in SECTIONS)
+    assert "Not an asynchronous run" in html  # online_dpo: the timeline section says why it has no chart
+    # Chromium reports each image's decoded width: a script added to a copy of the page, the network off
+    probe = (
+        "<script>onload = () => document.body.dataset.widths = [...document.images].map(i => i.naturalWidth)</script>"
+    )
+    (tmp_path / "probe.html").write_text(html.replace("</body>", probe + "</body>"))
+    dom = drawn_offline(tmp_path / "probe.html", tmp_path)
+    widths = re.search(r'data-widths="([\d,]*)"', dom).group(1).split(",")
+    assert len(widths) == 3 and all(int(w) > 300 for w in widths), widths  # frontier, over episodes, phases
 
 
 def test_changing_a_train_param_shows_in_params_and_metrics_diff(repo):
@@ -85,3 +139,11 @@ def test_changing_a_train_param_shows_in_params_and_metrics_diff(repo):
     assert json.loads(params)["params.yaml"]["train.trainer"] == {"old": "online_dpo", "new": "rloo"}
     metrics = json.loads(sh("dvc", "metrics", "diff", "--json", cwd=repo).stdout)
     assert "data/metrics/train.json" in metrics
+
+
+def test_dvc_plots_diff_overlays_the_workspace_and_head_offline(repo, tmp_path):
+    """After the change above: one chart per plot with a line per revision, drawn with no network."""
+    sh("dvc", "plots", "diff", "HEAD", "-o", str(tmp_path / "diff"), cwd=repo)
+    dom = drawn_offline(tmp_path / "diff" / "index.html", tmp_path)
+    assert dom.count('class="mark-line role-mark') >= 4
+    assert ">workspace<" in dom and ">HEAD<" in dom  # the legend names both revisions

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, ROOT, free_port, isolated_env, make_dvc_repo, run_ok
+from conftest import BIN, ROOT, chromium, free_port, isolated_env, make_dvc_repo, run_ok
 
 from rlhf.config import Config, ConfigError, TrackingConfig, load_config
-from rlhf.tracking import STEP, Tracker, wandb_mode
+from rlhf.tracking import STEP, Tracker, log_results, wandb_mode
 
 DEPLOYMENTS = {
     "ppo": "ppo",
@@ -240,12 +240,17 @@ def test_wandb_mode(setting, env, expected):
     assert wandb_mode(setting, env) == expected
 
 
-@pytest.mark.timeout(120)
-def test_completions_table_lands_in_the_offline_run(tmp_path, monkeypatch):
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B offline, its runs under tmp_path/wandb."""
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     (tmp_path / "wandb").mkdir()
+
+
+@pytest.mark.timeout(120)
+def test_completions_table_lands_in_the_offline_run(tmp_path, offline_wandb):
     tracker = Tracker(
         Config(profile="test", data_dir=str(tmp_path / "data"), tracking=TrackingConfig(wandb_mode="offline")), "train"
     )
@@ -269,6 +274,41 @@ def test_completions_table_lands_in_the_offline_run(tmp_path, monkeypatch):
         ["a film", "that shines", 0.5, 0.875],
         ["a film", "that bores", -0.25, 0.125],
     ]  # max_rows=2
+
+
+@pytest.mark.timeout(120)
+def test_results_land_in_an_offline_run_as_a_table_and_images(tmp_path, offline_wandb):
+    """What `evaluate` (the frontier) and `rlhf report` (its charts) log: a W&B run of their own."""
+    import io
+
+    import pandas as pd
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (40, 30), "white").save(png, "PNG")
+    frontier = pd.DataFrame({"episode": [0, 8], "kl": [0.0, 1.5], "win_rate_vs_sft": [0.5, 0.75]})
+
+    def config(mode: str) -> Config:
+        return Config(profile="test", data_dir=str(tmp_path / "data"), tracking=TrackingConfig(wandb_mode=mode))
+
+    log_results(config("disabled"), "evaluate", {"gold/win_rate_vs_sft": 0.75}, {"frontier": frontier})
+    assert not list((tmp_path / "wandb").iterdir())  # no run
+    log_results(
+        config("offline"),
+        "evaluate",
+        {"gold/win_rate_vs_sft": 0.75},
+        {"frontier": frontier},
+        {"Frontier": png.getvalue()},
+    )
+    [files] = (tmp_path / "wandb").glob("wandb/offline-run-*/files")
+    [table] = files.glob("media/table/frontier_*.table.json")
+    logged = json.loads(table.read_text())
+    assert logged["columns"] == ["episode", "kl", "win_rate_vs_sft"] and logged["data"] == [
+        [0, 0.0, 0.5],
+        [8, 1.5, 0.75],
+    ]
+    [image] = files.glob("media/images/Frontier_*.png")
+    assert Image.open(image).size == (40, 30)
 
 
 # --- a real server, the deployments, a run ---------------------------------------------------------------
@@ -395,12 +435,33 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     tasks = _api(served["api_url"], "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}})
     tasks.sort(key=lambda t: t["start_time"])
     names = [t["name"] for t in tasks]
-    assert sorted(names) == sorted([*yaml.safe_load((repo / "dvc.yaml").read_text())["stages"], "dvc exp save"])
-    assert (names[0], names[-2], names[-1]) == ("prepare", "evaluate", "dvc exp save")  # every stage, deps first
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
+    assert sorted(names) == sorted([*stages, "report", "dvc exp save", "artifacts"])
+    assert (names[0], *names[-4:]) == (
+        "prepare",
+        "evaluate",
+        "report",
+        "dvc exp save",
+        "artifacts",
+    )  # every stage, deps first
     assert all(t["state_type"] == "COMPLETED" and t["run_count"] == 1 for t in tasks)
     train = next(t for t in tasks if t["name"] == "train")
     logs = _api(served["api_url"], "/logs/filter", {"logs": {"task_run_id": {"any_": [train["id"]]}}})
     assert any("rlhf train" in entry["message"] for entry in logs)  # the stage's output is in the UI
+    # The run's results beside its task states: the metrics and the frontier as tables, a note on the report.
+    artifacts = _api(served["api_url"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+    by_key = {a["key"]: a for a in artifacts}
+    assert {k: by_key[k]["type"] for k in by_key} == {
+        "rlhf-metrics": "table",
+        "rlhf-frontier": "table",
+        "rlhf-report": "markdown",
+    }
+    metrics_table = json.loads(by_key["rlhf-metrics"]["data"])
+    assert {"file": "data/metrics/eval.json", "metric": "gold/win_rate_vs_sft"} in [
+        {k: row[k] for k in ("file", "metric")} for row in metrics_table
+    ]
+    assert [row["episode"] for row in json.loads(by_key["rlhf-frontier"]["data"])] == ["0", "8", "16"]
+    assert "data/report/index.html" in by_key["rlhf-report"]["data"]
 
     # The DVC record: `dvc exp show` lists the run with its params and metrics.
     shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
@@ -460,21 +521,7 @@ def test_bad_config_fails_at_once_without_retries(served, repo):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ui_lists_the_deployments_in_chromium(served, home):
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.fail("chromium not installed: `make test` installs it (make chromium)")
-    cmd = [
-        chromium,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={home / 'chromium'}",
-        "--virtual-time-budget=15000",
-    ]
+    cmd = chromium(home / "chromium")
     url = f"http://127.0.0.1:{served['port']}/deployments"
     dom = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
     for name in DEPLOYMENTS:  # each deployment is a link named after it (the UI rendered the API's list)

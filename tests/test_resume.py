@@ -18,6 +18,9 @@ import torch
 from conftest import ROOT, accelerate_launch, rlhf_command
 from safetensors import safe_open
 
+from rlhf.config import TrainConfig
+from rlhf.trainers.frontier import frontier_batches
+
 pytestmark = pytest.mark.slow
 
 EPISODES = 32  # 4 generated batches of 8 prompts on `ci`
@@ -43,10 +46,14 @@ def killed(proc, processes: int) -> bool:
 
 
 def results(data_dir):
-    """Everything the run produced except wall-clock figures: metrics, per-batch rows, policy weights."""
+    """Everything the run produced except wall-clock figures: metrics, per-batch rows, the policy's weights and
+    those of the policies kept for the frontier (train.eval_checkpoints)."""
     with open(data_dir / "plots" / "train.csv") as f:
         rows = [{k: v for k, v in r.items() if not k.startswith("timing/") and k != "eps"} for r in csv.DictReader(f)]
-    weights = hashlib.sha256((data_dir / "train" / "policy" / "model.safetensors").read_bytes()).hexdigest()
+    policies = [data_dir / "train" / "policy", *sorted((data_dir / "train" / "frontier").iterdir())]
+    kept = frontier_batches(TrainConfig().eval_checkpoints, num_batches=len(rows))  # the ci profile's default
+    assert len(policies) == 1 + len(kept), policies
+    weights = {p.name: hashlib.sha256((p / "model.safetensors").read_bytes()).hexdigest() for p in policies}
     return json.loads((data_dir / "metrics" / "train.json").read_text()), rows, weights
 
 
@@ -61,7 +68,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
     first = run_stage(crashed, trainer, crash="after_update:1")  # batch 1 trained, only batch 0's checkpoint saved
     assert killed(first, 1), first.stderr[-3000:]
     [ckpt_dir] = (crashed / "checkpoints").iterdir()
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000001"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000001", "frontier"]  # + the policy after batch 0
     saved = {p.name for p in (ckpt_dir / "batch-000001").iterdir()}
     assert {
         "model.safetensors",
@@ -102,7 +109,9 @@ def test_two_ranks_sharing_the_async_engine_resume_exactly(ci_data, tmp_path):
     first = run_stage(crashed, "online_dpo_vllm", crash="after_update:3", processes=2, extra=in_learner)  # ckpts 1-3
     assert killed(first, 2), first.stderr[-3000:]
     [ckpt_dir] = (crashed / "checkpoints").iterdir()
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000002", "batch-000003"]  # keep_checkpoints: 2
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000002", "batch-000003", "frontier"]  # keep: 2
+    kept = sorted(p.name for p in (ckpt_dir / "frontier").iterdir())  # after batches 1-3: 16 episodes a batch
+    assert kept == ["episode-0000016", "episode-0000032", "episode-0000048"]
     latest = ckpt_dir / "batch-000003"
     assert {"rank_state_0.json", "rank_state_1.json", "trainer_state.json"} <= {p.name for p in latest.iterdir()}
     assert (latest / "engine" / "v000002" / "model.safetensors").is_file()  # batch 3 is sampled with version 2

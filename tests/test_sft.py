@@ -207,4 +207,6 @@ def test_generate_and_evaluate_sample_with_vllm_as_hf_does(ci_data):
     sampled = load_split(ci_data / "generations", "eval", Generations)
     assert (sampled["response"].str.len() > 0).mean() > 0.5, sampled["response"]
     metrics = evaluate.run(ci_config(ci_data, "eval.engine=vllm"))
-    assert metrics["n_prompts"] == len(by_vllm) // 2 and all(math.isfinite(v) for v in metrics.values()), metrics
+    models = ["policy", "sft", "policy@4"]  # and the policy kept after batch 1 of 2 (train.eval_checkpoints)
+    assert list(by_vllm["model"].unique()) == models and metrics["n_prompts"] * 3 == len(by_vllm)
+    assert all(math.isfinite(v) for v in metrics.values()), metrics

@@ -5,7 +5,10 @@
 - KL(policy || SFT) per sequence, estimated on the policy's OWN samples (train.temperature), summed over
   response tokens only (the original's "KL" was a perplexity with prompt tokens in its denominator);
 - the proxy reward of both policies, so proxy-vs-gold divergence (over-optimisation) is visible.
-Outputs: data/metrics/eval.json, data/plots/eval.csv (per-prompt results), data/eval (EvalResults dataset).
+The same for each policy kept through training (train.eval_checkpoints), as the points of the frontier: gold
+win-rate against KL to the SFT policy over the run (the paper's figure), data/plots/frontier.csv.
+Outputs: data/metrics/eval.json, data/plots/eval_gold.csv, data/plots/frontier.csv, data/eval (EvalResults: per
+prompt and policy).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from rlhf.generation.sampling import sample, stage_engine
 from rlhf.io import atomic_dir, write_json, write_text
 from rlhf.models.forward import response_logprobs
 from rlhf.rewards.proxy import ProxyReward
+from rlhf.stages.generate import models
+from rlhf.tracking import log_results
 
 
 def win_rate(a: np.ndarray, b: np.ndarray) -> float:
@@ -63,18 +68,20 @@ def run(cfg: Config) -> dict:
     gold["reference"] = judge.score(list(prompts["reference"]))
 
     tokenizer, device = load_tokenizer(cfg.path("sft")), runtime.device()
-    policy, sft = (load_causal_lm(cfg.path(*parts)).to(device) for parts in (("train", "policy"), ("sft",)))
+    sft = load_causal_lm(cfg.path("sft")).to(device)
     rm = load_reward_model(cfg.path("reward", "model")).to(device)
-    texts, length = list(prompts["prompt"]), cfg.eval.max_new_tokens
-    torch.manual_seed(cfg.seed)
-    with stage_engine(cfg.eval.engine, cfg.path("train", "policy"), tokenizer, texts, length, device, cfg.seed) as e:
-        kl, proxy_policy = kl_and_proxy(policy, sft, rm, tokenizer, texts, cfg, device, e)
-    torch.manual_seed(cfg.seed)  # the SFT's samples must not depend on how much randomness the policy used
-    with stage_engine(cfg.eval.engine, cfg.path("sft"), tokenizer, texts, length, device, cfg.seed) as e:
-        _, proxy_sft = kl_and_proxy(sft, None, rm, tokenizer, texts, cfg, device, e)  # its KL to itself is 0
-    proxy = {"policy": proxy_policy, "sft": proxy_sft}
+    texts, length, policies = list(prompts["prompt"]), cfg.eval.max_new_tokens, models(cfg)
+    kl, proxy = {"sft": np.zeros(len(prompts))}, {}  # the SFT policy's KL to itself is 0
+    for name, (folder, _) in policies.items():
+        policy, kl_to = (sft, None) if name == "sft" else (load_causal_lm(folder).to(device), sft)
+        torch.manual_seed(cfg.seed)  # a model's samples must not depend on how much randomness the others used
+        with stage_engine(cfg.eval.engine, folder, tokenizer, texts, length, device, cfg.seed) as e:
+            policy_kl, proxy[name] = kl_and_proxy(policy, kl_to, rm, tokenizer, texts, cfg, device, e)
+        if kl_to is not None:
+            kl[name] = policy_kl
 
-    metrics = summarise(gold, kl, proxy)
+    metrics = summarise(gold, kl["policy"], proxy)
+    frontier = frontier_table(gold, kl, proxy, {name: episode for name, (_, episode) in policies.items()})
     results = pd.concat(
         [
             pd.DataFrame(
@@ -83,22 +90,45 @@ def run(cfg: Config) -> dict:
                     "model": name,
                     "gold": gold[name].astype(float),
                     "proxy": proxy[name].astype(float),
-                    "kl": (kl if name == "policy" else np.zeros(len(prompts))).astype(float),
+                    "kl": kl[name].astype(float),
                 }
             )
-            for name in ("policy", "sft")
+            for name in policies
         ],
         ignore_index=True,
     )
     validate(results, EvalResults, "eval results")
-    models = ["sft", "policy", "reference"]
-    plot = pd.DataFrame({"model": models, "gold": [metrics[f"gold/{m}"] for m in models]})
+    log_results(cfg, "evaluate", metrics, {"frontier": frontier})  # W&B (offline by default)
+    bars = ["sft", "policy", "reference"]
+    plot = pd.DataFrame({"model": bars, "gold": [metrics[f"gold/{m}"] for m in bars]})
     with atomic_dir(cfg.path("eval")) as tmp:  # outputs go together: metrics and plot before the results move in
         save_splits({"results": results}, tmp)
         write_json(cfg.path("metrics", "eval.json"), metrics)
         write_text(cfg.path("plots", "eval_gold.csv"), plot.to_csv(index=False))
+        write_text(cfg.path("plots", "frontier.csv"), frontier.to_csv(index=False))
     print("evaluate: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "n_prompts"))
     return metrics
+
+
+def frontier_table(
+    gold: dict[str, np.ndarray], kl: dict[str, np.ndarray], proxy: dict[str, np.ndarray], episodes: dict[str, int]
+) -> pd.DataFrame:
+    """data/plots/frontier.csv: a row per policy along the run, by episode (the SFT policy at 0, the final policy
+    last): gold win-rates, KL to the SFT policy, mean gold and proxy scores."""
+    total = max(episodes.values())
+    rows = [
+        {
+            "episode": episode,
+            "fraction": episode / total,
+            "kl": float(kl[name].mean()),
+            "win_rate_vs_sft": win_rate(gold[name], gold["sft"]),
+            "win_rate_vs_reference": win_rate(gold[name], gold["reference"]),
+            "gold": float(gold[name].mean()),
+            "proxy": float(proxy[name].mean()),
+        }
+        for name, episode in sorted(episodes.items(), key=lambda item: item[1])
+    ]
+    return pd.DataFrame(rows)
 
 
 def summarise(gold: dict[str, np.ndarray], kl: np.ndarray, proxy: dict[str, np.ndarray]) -> dict:

@@ -1,9 +1,12 @@
-"""Stage `generate`: near-greedy responses of the trained policy and of the SFT policy on the eval prompts.
+"""Stage `generate`: near-greedy responses of the trained policy, of the policies kept through training
+(train.eval_checkpoints: `policy@<episode>`) and of the SFT policy on the eval prompts.
 
 Output: data/generations (HF dataset, schema Generations: prompt_id, prompt, response, model).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -12,8 +15,14 @@ from rlhf import runtime
 from rlhf.config import Config
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.sampling import sample, stage_engine
+from rlhf.trainers.frontier import kept_policies
 
-MODELS = {"policy": ("train", "policy"), "sft": ("sft",)}
+
+def models(cfg: Config) -> dict[str, tuple[Path, int]]:
+    """The policies the eval stages compare, by name, with the episodes each was trained on: the trained policy,
+    the SFT policy and those kept through training."""
+    kept = {f"policy@{episode}": (folder, episode) for episode, folder in kept_policies(cfg.path("train"))}
+    return {"policy": (cfg.path("train", "policy"), cfg.train.total_episodes), "sft": (cfg.path("sft"), 0), **kept}
 
 
 def run(cfg: Config) -> dict:
@@ -25,9 +34,9 @@ def run(cfg: Config) -> dict:
     params = SamplingParams(k=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature)
     frames, device = [], runtime.device()
     texts_in = list(prompts["prompt"])
-    for name, parts in MODELS.items():
+    names = models(cfg)
+    for name, (folder, _) in names.items():
         torch.manual_seed(cfg.seed)
-        folder = cfg.path(*parts)
         tokenizer = load_tokenizer(folder)
         with stage_engine(cfg.eval.engine, folder, tokenizer, texts_in, params.max_new_tokens, device, cfg.seed) as e:
             model = load_causal_lm(folder).to(device) if e is None else None  # vLLM loads the folder itself
@@ -41,5 +50,5 @@ def run(cfg: Config) -> dict:
     generations = pd.concat(frames, ignore_index=True)
     validate(generations, Generations, "generations")
     save_splits({"eval": generations}, cfg.path("generations"))
-    print(f"generate: {len(prompts)} eval prompts x {len(MODELS)} models -> {cfg.path('generations')}")
+    print(f"generate: {len(prompts)} eval prompts x {len(names)} models -> {cfg.path('generations')}")
     return {"n": len(generations)}

@@ -30,7 +30,7 @@ from rlhf.models.forward import reference_logprobs, response_logprobs, response_
 from rlhf.models.loading import save_policy
 from rlhf.runtime import crash_point
 from rlhf.tracking import Tracker
-from rlhf.trainers import checkpoint
+from rlhf.trainers import checkpoint, frontier
 from rlhf.trainers.objectives import Rollout
 from rlhf.trainers.setup import Run, setup
 
@@ -45,6 +45,7 @@ def train(cfg: Config) -> dict:
         state, rows = start(run)
         tracker = Tracker(cfg, "train", enabled=run.acc.is_main_process, rows=rows, run_id=state.wandb_run_id)
         num_batches = run.sizes.num_batches
+        kept = frontier.frontier_batches(cfg.train.eval_checkpoints, num_batches)
         bar = tqdm(
             range(state.batch, num_batches),
             desc=f"train {cfg.train.trainer}",
@@ -63,11 +64,13 @@ def train(cfg: Config) -> dict:
             # 8. the engine samples from the new weights from now on
             sync(run, state, t)
             clock.mark("weight_sync")
-            # 9. metrics, and a checkpoint on schedule
+            # 9. metrics, a checkpoint on schedule, the policy at the frontier's points
             row = log(run, tracker, state, t, collected, step_stats, clock)
             bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.2f}")
             if cfg.train.save_every and state.batch % cfg.train.save_every == 0 and state.batch < num_batches:
                 save(run, tracker, state)
+            if state.batch in kept:
+                frontier.keep(run, state.episode)
         final = finish(run, tracker, state)
     # Every rank, on success only (a failed rank's peers may still be in a collective): gloo's worker threads
     # must stop while the interpreter is alive, else a rank can abort at exit (SIGABRT) after a good run.
@@ -353,13 +356,15 @@ def save(run: Run, tracker: Tracker, state: checkpoint.LoopState) -> None:
 
 
 def finish(run: Run, tracker: Tracker, state: checkpoint.LoopState) -> dict:
-    """Export the policy to data/train/policy and its config to data/train/config.yaml; the final metrics."""
+    """Export the policy to data/train/policy, its config to data/train/config.yaml and the policies kept for the
+    frontier to data/train/frontier; the final metrics."""
     cfg, acc = run.cfg, run.acc
     final = {}
     with full_weights(run.policy) as weights:  # a collective under ZeRO-3: every rank enters it
         if acc.is_main_process:
             # The outputs go together: the metrics are written while the new policy is still a temporary folder,
             # so a failure there leaves the previous policy, not a new policy beside old metrics.
+            frontier.publish(run.ckpt_dir, cfg.path("train"))
             with atomic_dir(cfg.path("train", "policy")) as tmp:
                 save_policy(run.policy, weights, run.tokenizer, tmp)
                 write_text(cfg.path("train", CONFIG_FILE), config_yaml(cfg))
