@@ -47,7 +47,7 @@ HEADLINES = {
 }
 # The learner's side of a step (timing/* in train.csv, docs/metrics.md): a synchronous run generates inside it.
 LEARNER_PHASES = ("scoring", "reference", "update", "weight_sync")
-TIMELINE_BATCHES = 8  # the timeline shows the first batches: enough to see the overlap, few enough to read it
+TIMELINE_BATCHES = 8  # the timeline shows batches 2-9: enough to see the overlap, few enough to read it
 ENGINE_PHASES = ("engine_idle", "weight_sync_engine", "generation", "scoring_engine")
 SECTIONS = ("Headline metrics", "Frontier", "Over episodes", "Step time by phase", "Engine and learner timeline")
 STYLE = (
@@ -126,33 +126,39 @@ def _episodes_chart(axes, steps: pd.DataFrame) -> None:
 def _phases_chart(ax, steps: pd.DataFrame) -> None:
     first = "wait" if "timing/wait" in steps else "generation"  # what the learner spent on getting the batch
     phases = [p for p in (first, *LEARNER_PHASES) if f"timing/{p}" in steps]
-    bottom = pd.Series(0.0, index=steps.index)
+    later = steps.iloc[1:] if len(steps) > 1 else steps  # batch 1 carries start-up and warm-up: off the scale
+    bottom = pd.Series(0.0, index=later.index)
     for phase in phases:
-        ax.bar(steps.index, steps[f"timing/{phase}"], bottom=bottom, label=phase)
-        bottom += steps[f"timing/{phase}"]
-    ax.bar(steps.index, (steps["timing/step"] - bottom).clip(lower=0), bottom=bottom, label="other")
-    ax.set(xlabel="batch", ylabel="seconds", title="a training step, by phase (learner)")
-    ax.legend(fontsize="small")
+        ax.bar(later.index + 1, later[f"timing/{phase}"], bottom=bottom, label=phase)
+        bottom += later[f"timing/{phase}"]
+    ax.bar(later.index + 1, (later["timing/step"] - bottom).clip(lower=0), bottom=bottom, label="other")
+    title = f"a training step, by phase (learner); batch 1 ({steps['timing/step'].iloc[0]:.1f} s, start-up) left out"
+    ax.set(xlabel="batch", ylabel="seconds", title=title if len(steps) > 1 else "a training step, by phase (learner)")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def _async_only(steps: pd.DataFrame | None) -> pd.DataFrame | None:
-    """The first batches of an async run (timing/wait logged), for the timeline; None for other runs."""
-    return steps.head(TIMELINE_BATCHES) if steps is not None and "timing/wait" in steps else None
+    """Batches 2 to 1 + TIMELINE_BATCHES of an async run (timing/wait logged), for the timeline; None for other
+    runs. The first batch is left out: its wait holds the engine's start-up, which the chart has no lane for."""
+    return steps.iloc[1 : 1 + TIMELINE_BATCHES] if steps is not None and "timing/wait" in steps else None
 
 
 def _timeline_text(steps: pd.DataFrame | None) -> str:
-    """Section 5's text: how much of the engine's work the learner never waited for."""
+    """Section 5's text: the first batch's wait, then how much of the engine's work the learner never waited for."""
     if steps is None:
         return "<p>No data yet: run the train stage.</p>"
     if _async_only(steps) is None:
         return "<p>Not an asynchronous run: the learner generates each batch itself (section 4).</p>"
-    busy = sum(steps[f"timing/{p}"].sum() for p in ENGINE_PHASES[1:] if f"timing/{p}" in steps)
-    waited = steps["timing/wait"].sum()
-    hidden = 1 - waited / busy if busy > 0 else float("nan")
+    first, rest = steps.iloc[0], steps.iloc[1:]
+    busy = sum(rest[f"timing/{p}"].sum() for p in ENGINE_PHASES[1:] if f"timing/{p}" in rest)
+    waited = rest["timing/wait"].sum()
+    hidden = f"{1 - waited / busy:.0%}" if busy > 0 else "all"
     return (
-        f"<p>The engine worked {busy:.1f} s (reloading weights, generating, scoring) while the learner waited "
-        f"{waited:.1f} s for batches: {hidden:.0%} of the engine's work overlapped the learner's and cost no time. "
-        f"The chart lays each side's phases end to end from their durations, first {TIMELINE_BATCHES} batches.</p>"
+        f"<p>The first batch waited {first['timing/wait']:.1f} s: the engine's start-up and its first generation, "
+        f"which nothing overlaps. After it the engine worked {busy:.1f} s (reloading weights, generating, scoring) "
+        f"while the learner waited {waited:.1f} s for batches: {hidden} of the engine's work overlapped the "
+        f"learner's and cost no time. The chart lays each side's phases end to end from their durations, batches 2 "
+        f"to {1 + TIMELINE_BATCHES}.</p>"
     )
 
 
