@@ -105,9 +105,10 @@ def drawn_offline(page, tmp_path) -> str:
 def test_dvc_plots_show_draws_every_chart_offline(repo, tmp_path):
     sh("dvc", "plots", "show", "-o", str(tmp_path / "plots"), cwd=repo)
     dom = drawn_offline(tmp_path / "plots" / "index.html", tmp_path)
-    # vega-embed drew each chart as SVG: 3 line charts of train.csv, the frontier (dvc.yaml), the eval bar chart
+    # vega-embed drew each chart as SVG: 3 line charts of train.csv, the frontier's points, the eval bar chart
     assert dom.count("<svg") >= 5, dom[:2000]
-    assert dom.count('class="mark-line role-mark') >= 4 and 'class="mark-rect role-mark' in dom
+    assert dom.count('class="mark-line role-mark') >= 3 and 'class="mark-rect role-mark' in dom
+    assert 'class="mark-symbol role-mark' in dom  # points: the frontier's, and the line charts' hover points
     assert dom.count("<path") > 20  # the marks have geometry
 
 
@@ -145,5 +146,5 @@ def test_dvc_plots_diff_overlays_the_workspace_and_head_offline(repo, tmp_path):
     """After the change above: one chart per plot with a line per revision, drawn with no network."""
     sh("dvc", "plots", "diff", "HEAD", "-o", str(tmp_path / "diff"), cwd=repo)
     dom = drawn_offline(tmp_path / "diff" / "index.html", tmp_path)
-    assert dom.count('class="mark-line role-mark') >= 4
+    assert dom.count('class="mark-line role-mark') >= 3 and 'class="mark-symbol role-mark' in dom
     assert ">workspace<" in dom and ">HEAD<" in dom  # the legend names both revisions
