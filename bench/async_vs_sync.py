@@ -5,12 +5,14 @@ so it is slower than 1 rank: the row shows that the paper's layout runs and wher
 Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`). Usage:
     .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [--seeds 3] [--runs a,b]
         [key=value ...]
-Prints wall-clock time, episodes/s, the per-step time breakdown and final gold score for each, the speedups and the
-ideal overlap of the sync run, and writes them to bench/metrics/async_vs_sync[_<profile>].json (a DVC metrics
-file), per seed too. Gold is the trained policy's samples on the eval prompts, drawn by the profile's
-`eval.engine`. Gold differences between
-two runs of 1,024 episodes are a few points from sampling alone, so sync and async run with several seeds
-(the colocated run with the first) and the gold gap is a mean over seeds, with its standard error.
+Each run is `rlhf train` in a process of its own, as the train stage runs: "wall" is its wall clock (imports,
+model loading, engine start-up and saving included), "loop" its iterations, "1st wait" the learner waiting for the
+first batch (the async engine starting up) and "steady" the loop without that wait. Prints these, episodes/s, the
+per-step time breakdown and final gold score for each, the speedups (loop, steady, wall) and the ideal overlap of
+the sync run, and writes them to bench/metrics/async_vs_sync[_<profile>].json (a DVC metrics file), per seed
+too. Gold is the trained policy's samples on the eval prompts, drawn by the profile's `eval.engine`. Gold
+differences between two runs of 1,024 episodes are a few points from sampling alone, so sync and async run with
+several seeds (the colocated run with the first) and the gold gap is a mean over seeds, with its standard error.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import column_sum, scratch_data, timed_train  # bench/ is sys.path[0]
+from common import column_sum, scratch_data  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = {"sync_hf": "online_dpo", "vllm_colocated": "online_dpo_single_vllm", "vllm_async": "online_dpo_vllm"}
@@ -94,11 +96,14 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
         settings = [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", f"seed={seed}"]
         cfg = load_config(ROOT / "params.yaml", args.profile, [*settings, *args.overrides])
         settings += args.overrides
-        wall, rows = launched_train(cfg, settings, args.profile) if name in TWO_RANKS else timed_train(cfg)
+        wall, rows = stage_train(cfg, settings, args.profile, processes=2 if name in TWO_RANKS else 1)
         loop = column_sum(rows, "timing/step")
+        first_wait = float(rows[0].get("timing/wait") or 0)
         results[name] = {
-            "wall_seconds": wall,  # includes model loading and engine start-up
+            "wall_seconds": wall,  # `rlhf train` by the wall clock: imports, model loading, engine start-up, saving
             "loop_seconds": loop,  # the iterations only
+            "first_wait_seconds": first_wait,  # batch 1: the learner waiting for the engine to start (async)
+            "steady_loop_seconds": loop - first_wait,  # the iterations, engine start-up left out
             "episodes_per_second": cfg.train.total_episodes / loop,
             "generation_seconds": column_sum(rows, "timing/generation"),
             "learner_seconds": loop
@@ -114,12 +119,15 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
     return results
 
 
-def launched_train(cfg, settings: list[str], profile: str, processes: int = 2) -> tuple[float, list[dict]]:
-    """`rlhf train` under accelerate launch (ZeRO-2) with `processes` training processes: wall seconds, rows."""
-    launch = ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml")]
-    cli = ["-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", profile, "train", *settings]
+def stage_train(cfg, settings: list[str], profile: str, processes: int = 1) -> tuple[float, list[dict]]:
+    """`rlhf train` as the train stage runs it, a process of its own (under accelerate launch, ZeRO-2, for several
+    training processes): its wall-clock seconds and its train.csv rows."""
+    cli = ["rlhf", "--params", str(ROOT / "params.yaml"), "--profile", profile, "train", *settings]
+    if processes > 1:
+        launch = ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml")]
+        cli = [*launch, "--num_processes", str(processes), "-m", "rlhf.cli", *cli[1:]]
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "rlhf.runtime", *launch, "--num_processes", str(processes), *cli], check=True)
+    subprocess.run([sys.executable, "-m", "rlhf.runtime", *cli], check=True)
     wall = time.perf_counter() - start
     with open(cfg.path("plots", "train.csv")) as f:
         return wall, list(csv.DictReader(f))
@@ -135,6 +143,8 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
     results, sync_name = per_seed[0], "sync_hf" if "sync_hf" in per_seed[0] else "vllm_colocated"
     gaps = [100 * (r["vllm_async"]["final_gold"] - r[sync_name]["final_gold"]) for r in per_seed]
     speedups = [r[sync_name]["loop_seconds"] / r["vllm_async"]["loop_seconds"] for r in per_seed]
+    walls = [r[sync_name]["wall_seconds"] / r["vllm_async"]["wall_seconds"] for r in per_seed]
+    steadies = [r[sync_name]["steady_loop_seconds"] / r["vllm_async"]["steady_loop_seconds"] for r in per_seed]
     sync = results[sync_name]
     ideal = (sync["generation_seconds"] + sync["learner_seconds"]) / max(
         sync["generation_seconds"], sync["learner_seconds"]
@@ -147,6 +157,8 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
         if len(gaps) > 1
         else float("nan"),
         "speedup_async_vs_sync_mean_over_seeds": statistics.mean(speedups),
+        "speedup_steady_async_vs_sync_mean_over_seeds": statistics.mean(steadies),
+        "speedup_wall_async_vs_sync_mean_over_seeds": statistics.mean(walls),
         "seeds": len(gaps),
     }
     if sync_name == "sync_hf" and "vllm_colocated" in results:
@@ -157,12 +169,15 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
         two = results["vllm_async_2ranks"]["loop_seconds"]
         summary["speedup_async_2ranks_vs_1rank"] = results["vllm_async"]["loop_seconds"] / two
     summary["async_speedup_fraction_of_ideal"] = summary["speedup_async_vs_sync"] / ideal
+    summary["async_steady_speedup_fraction_of_ideal"] = statistics.mean(steadies) / ideal
     print(
         f"\nonline DPO, profile {args.profile}, sync = {sync_name}, {args.seeds} seed(s) (table: the first) "
         f"(torch threads: {torch.get_num_threads()}; CPU: {cpu_flags()})"
     )
-    keys = ("wall", "loop", "episodes_per_second", "generation", "learner", *BREAKDOWN, "final_gold")
-    labels = ("wall s", "loop s", "eps/s", "gen s", "learner s", "score s", "ref s", "update s", "sync s", "wait s")
+    keys = ("wall", "loop", "first_wait", "steady_loop", "episodes_per_second", "generation", "learner", *BREAKDOWN)
+    keys += ("final_gold",)
+    labels = ("wall s", "loop s", "1st wait s", "steady s", "eps/s", "gen s", "learner s", "score s", "ref s")
+    labels += ("update s", "sync s", "wait s")
     labels += ("eng scr s", "eng idle s", "gold")
     print(f"{'run':<18}" + "".join(f"{label:>11}" for label in labels))
     for name, r in results.items():
@@ -175,6 +190,10 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
     print(
         "per seed: async/sync speedup "
         + ", ".join(f"{x:.2f}" for x in speedups)
+        + "; steady "
+        + ", ".join(f"{x:.2f}" for x in steadies)
+        + "; wall clock "
+        + ", ".join(f"{x:.2f}" for x in walls)
         + "; gold async - sync (points) "
         + ", ".join(f"{g:+.1f}" for g in gaps)
     )

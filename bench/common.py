@@ -12,15 +12,21 @@ PIPELINE_INPUTS = ("prepared", "gold", "sft", "reward")
 
 
 def scratch_data(dst: Path, inputs: tuple[str, ...] = PIPELINE_INPUTS, source: Path | None = None) -> Path:
-    """A data dir that shares `inputs` of `source` (default: the pipeline's data/) by symlink and gets its own
-    train/ and metrics/."""
+    """A data dir that shares `inputs` of `source` (default: the pipeline's data/) by symlinks to their files and
+    gets its own train/ and metrics/. The stages' records of the settings they ran with are left out: benchmarks
+    train with other seeds on the same inputs, which `rlhf train` would otherwise refuse."""
+    from rlhf.stages.built_with import RECORD
+
     source = source or ROOT / "data"
     shutil.rmtree(dst, ignore_errors=True)
     dst.mkdir(parents=True)
     for name in inputs:
         if not (source / name).exists():
             raise SystemExit(f"{source / name} is missing: run `make run` (or `dvc repro reward`) first")
-        (dst / name).symlink_to((source / name).resolve())
+        (dst / name).mkdir()
+        for entry in (source / name).resolve().iterdir():
+            if entry.name != RECORD:
+                (dst / name / entry.name).symlink_to(entry)
     return dst
 
 

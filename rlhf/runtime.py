@@ -37,6 +37,7 @@ CACHE_ENV = {
     "WANDB_CACHE_DIR": "wandb/cache",
     "WANDB_CONFIG_DIR": "wandb/config",
     "TRITON_CACHE_DIR": "triton",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",  # defaults to /tmp/torchinductor_<user>
     "WANDB_DATA_DIR": "wandb/data",  # defaults to ~/.local/share/wandb
     "XDG_CACHE_HOME": "xdg",
     "XDG_CONFIG_HOME": "xdg-config",  # DVC's telemetry id, chromium profiles

@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import psutil
@@ -177,3 +178,12 @@ def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
     assert re.search(r"The first batch waited [\d.]+ s: the engine's start-up", page)
     assert re.search(r"the engine worked [\d.]+ s .* waited [\d.]+ s for batches: (-?\d+%|all) of the engine's", page)
     assert page.count("<img") == 3  # over episodes, step phases, timeline (no evaluate run: no frontier)
+
+
+def test_the_early_start_module_imports_no_trainer_code():
+    """The train stage starts the engine's process before its own heavy imports: rlhf.trainers.early must stay
+    light, or the engine starts seconds later (its start-up is the first batch's wait)."""
+    heavy = ("transformers", "accelerate", "deepspeed", "vllm", "rlhf.trainers.loop")
+    code = f"import sys, rlhf.trainers.early; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"

@@ -3,7 +3,8 @@
 Colocated (`vllm`): greedy output equals HF greedy output before and after a weight sync, sampled log-probs
 are the tempered log-probs the trainer computes, samples are prompt-major and reproducible.
 Async (`vllm_async`): the loop's submit-ahead protocol gives every batch version max(0, t - N) exactly, in
-order, sampled from that version's snapshot; a killed or failing engine process raises RuntimeError fast;
+order, sampled from that version's snapshot, whether its process started before the spec was known or with
+it; a killed or failing engine process raises RuntimeError fast;
 close() is idempotent and leaves no process.
 
 The engines are module fixtures (one start each) and the last tests close or kill them, so the module runs on
@@ -22,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.config import LoraConfig, ModelConfig
+from rlhf.generation.async_engine import EngineProcess
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.factory import make_engine
 from rlhf.generation.vllm import request_seed
@@ -163,8 +165,12 @@ def test_colocated_logprobs_are_tempered_and_prompt_major(policy, colocated):
     k, T, temperature = 3, 10, 0.7
     model = loading.load_causal_lm(folder)
     colocated.load_weights(model, version=3)  # the original weights again: a known state whatever ran before
+    torch._dynamo.reset()  # a sampler helper compiled by an earlier test would be compiled again here
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     colocated.submit(prompts, SamplingParams(k=k, max_new_tokens=T, temperature=temperature))
     gen = colocated.receive()
+    # on the CPU vLLM's torch.compile'd sampler helpers run eagerly: inductor's build cost seconds of batch 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled
     assert gen.responses.shape == (len(prompts) * k, T) and gen.logprobs.shape == (len(prompts) * k, T)
     pad, eos = tok.pad_token_id, tok.eos_token_id
     expected = hf_logprobs(model, prompts, gen.responses, k, temperature, eos)
@@ -226,11 +232,17 @@ def test_colocated_close_twice(colocated):
 
 
 def _make_async(policy, tmp_path_factory, n):
+    """N = 1: its process started first, as the train stage does (rlhf.trainers.early), and the spec sent later;
+    N = 2: the process started with the spec."""
     folder, tok = policy
     start = time.perf_counter()
     work = tmp_path_factory.mktemp(f"async{n}_work")
     limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=work, max_staleness=n)
-    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits)
+    cores = os.sched_getaffinity(0)
+    process = EngineProcess("cpu", max_staleness=n) if n == 1 else None
+    if process is not None and len(cores) > 1:  # the trainer leaves the engine its core
+        assert os.sched_getaffinity(0) == set(sorted(cores)[:-1])
+    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits, process=process)
     engine.wait_ready()
     print(
         f"\nasync (N={n}) engine ready after {time.perf_counter() - start:.1f} s (LLM() {engine.start_seconds:.1f} s)"
@@ -319,14 +331,27 @@ def test_async_engine_error_is_raised_with_its_text(policy, async1):
 
 
 def test_async_close_twice_leaves_no_process(async1):
-    pid = async1.pid
+    pid, cores = async1.pid, os.sched_getaffinity(0)
     async1.close()
     async1.close()
+    assert len(cores) == 1 or os.sched_getaffinity(0) > cores  # the trainer has the engine's core back
     with pytest.raises(ProcessLookupError):  # exited and reaped
         os.kill(pid, 0)
     assert not list(async1.work_dir.glob("v*"))  # no weight files left behind
     with pytest.raises(RuntimeError, match="close"):
         async1.submit([[5, 6]], SamplingParams(1, 2, 1.0))
+
+
+def test_an_engine_process_nobody_took_over_stops_at_once():
+    """The train stage starts the process before anything can fail; when setup fails, it is terminated."""
+    cores = os.sched_getaffinity(0)
+    process = EngineProcess("cpu", max_staleness=1)
+    time.sleep(1)  # importing vLLM now, deaf to a stop message
+    start = time.perf_counter()
+    process.close(at_once=True)
+    assert not process.proc.is_alive() and time.perf_counter() - start < 5
+    assert os.sched_getaffinity(0) == cores
+    process.close(at_once=True)  # twice: nothing left to do
 
 
 def test_async_killed_engine_raises_within_seconds(policy, async2):

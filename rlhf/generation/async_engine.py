@@ -6,6 +6,9 @@ Processes and channels:
   with torch on one thread. vLLM runs inside it (VLLMEngine builds it in-process, "uni" executor): one process
   to watch, to kill and to pin, no grandchild left behind when it dies, and a ~3 s engine start instead of
   ~19 s for vLLM's own engine-core process.
+- Start-up: the process (EngineProcess) is spawned first thing in the train stage and imports vLLM while the
+  trainer imports and loads; the AsyncEngine then sends ("build", EngineSpec), and the process builds vLLM and
+  its scorer and answers ("ready", seconds) (or ("error", traceback)).
 - trainer -> engine: a bounded multiprocessing Queue of messages handled strictly in order,
   ("weights", SharedWeights, version) and ("generate", batch, prompts, params, score, parts). Bounded at 2(N+2)
   messages; the loop never has more than N+1 batches and N+1 weight versions outstanding.
@@ -69,6 +72,44 @@ from rlhf.generation.engine_process import POLL_SECONDS, EngineSpec, engine_proc
 from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapshot, write_snapshot
 
 
+class EngineProcess:
+    """The engine's process and its channels, started before the engine's spec is known: it imports vLLM while
+    the trainer imports its own libraries and loads its models; an AsyncEngine then takes it over and sends the
+    spec (rlhf.trainers.early starts it first thing in the train stage). device: the engine's (EngineSpec.device)."""
+
+    def __init__(self, device: str, max_staleness: int):
+        ctx = mp.get_context("spawn")
+        self.device, self.max_staleness = device, max_staleness
+        self.inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
+        self.stop = ctx.Event()
+        self.results, writer = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=engine_process_main,
+            args=(device, self.inbox, writer, self.stop, os.getpid()),
+            name="rlhf-vllm-engine",
+            daemon=False,
+        )
+        self.proc.start()
+        writer.close()  # the engine holds the only write end: its death closes the pipe
+        # The engine pins itself to the last core; the trainer keeps the others, or the scheduler puts it on the
+        # engine's core now and then (seen: both at ~50% of one core). Restored at close.
+        self._cores = os.sched_getaffinity(0)
+        if device == "cpu" and len(self._cores) > 1:
+            os.sched_setaffinity(0, sorted(self._cores)[:-1])
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.stop, self.inbox, self.results, self._cores)
+        # Run before multiprocessing's own exit hook, which would join the (non-daemon) engine forever.
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+
+    def close(self, at_once: bool = False) -> None:
+        """Stop the process (stop event + sentinel, join, then terminate/kill); safe to call twice. at_once:
+        terminate it now (it is still importing or building vLLM, deaf to the stop message: nothing to lose)."""
+        if at_once and self._finalizer.alive and self.proc.is_alive():
+            self.proc.terminate()
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+
+
 class AsyncEngine:
     """The Engine protocol over a VLLMEngine in its own process; lookahead = max_staleness (N >= 0)."""
 
@@ -79,11 +120,18 @@ class AsyncEngine:
         max_staleness: int,
         score: str = "always",
         start_timeout: float = 600.0,
+        process: EngineProcess | None = None,
     ):
         """spec: the engine to build (rlhf.generation.engine_process); work_dir: where checkpoints' copies of the
-        weights in flight are written."""
+        weights in flight are written; process: one started earlier for this spec's device and max_staleness
+        (else one is started now)."""
         if max_staleness < 0:
             raise ValueError(f"AsyncEngine: max_staleness must be >= 0, got {max_staleness}")
+        if process is not None and (process.device, process.max_staleness) != (spec.device, max_staleness):
+            raise ValueError(
+                f"AsyncEngine: the process was started for {process.device} with max_staleness "
+                f"{process.max_staleness}, the engine needs {spec.device} and {max_staleness}"
+            )
         self.lookahead = max_staleness
         self.work_dir = Path(work_dir)
         self._next_batch = 0  # the batch index (seeds) of the next submit
@@ -97,28 +145,15 @@ class AsyncEngine:
         self._score = score if spec.reward is not None else "never"
         self._learner_wait = self._engine_idle = 0.0  # moving averages, seconds per batch: who waits for whom
         self.start_seconds = float("nan")
-        ctx = mp.get_context("spawn")
-        self._inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
-        self._stop = ctx.Event()
-        reader, writer = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(
-            target=engine_process_main,
-            args=(spec, self._inbox, writer, self._stop, os.getpid()),
-            name="rlhf-vllm-engine",
-            daemon=False,
-        )
-        self._proc.start()
-        writer.close()  # the engine holds the only write end: its death closes the pipe
-        self._results = reader
-        self._finalizer = weakref.finalize(
-            self, _shutdown, self._proc, self._stop, self._inbox, self._results, self.work_dir
-        )
-        # Run before multiprocessing's own exit hook, which would join the (non-daemon) engine forever.
-        self._finalizer.atexit = False
+        self._process = process or EngineProcess(spec.device, max_staleness)
+        self._proc, self._inbox, self._results = self._process.proc, self._process.inbox, self._process.results
+        self._finalizer = weakref.finalize(self, _close, self._process, self.work_dir)
+        self._finalizer.atexit = False  # as EngineProcess: before multiprocessing's exit hook
         atexit.register(self._finalizer)
         # vLLM builds in the engine process while the trainer goes on loading its models: messages queue up until
         # it is ready, and the first receive() waits for it (wait_ready).
         self._start_deadline = time.monotonic() + start_timeout
+        self._put(("build", spec))
 
     # The Engine protocol
 
@@ -181,8 +216,7 @@ class AsyncEngine:
 
     def close(self) -> None:
         """Stop the engine process (stop event + sentinel, join, then terminate/kill); safe to call twice."""
-        if math.isnan(self.start_seconds) and self._proc.is_alive():
-            self._proc.terminate()  # still building vLLM, deaf to the stop message: nothing to lose
+        self._process.close(at_once=math.isnan(self.start_seconds))  # still building: nothing to lose
         self._finalizer()
         atexit.unregister(self._finalizer)
 
@@ -273,8 +307,17 @@ class AsyncEngine:
         return RuntimeError(f"vLLM engine process (pid {self._proc.pid}, {how}) {what}")
 
 
-def _shutdown(proc, stop, inbox, results, work_dir: Path, timeout: float = 30.0) -> None:
-    """Stop the engine process, free the channels, delete the weight files (the finalizer: runs once)."""
+def _close(process: EngineProcess, work_dir: Path) -> None:
+    """AsyncEngine's finalizer: stop its process, delete the weight files."""
+    process.close()
+    for folder in work_dir.glob("v[0-9]*"):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _shutdown(proc, stop, inbox, results, cores: set[int], timeout: float = 30.0) -> None:
+    """Stop the engine process, free the channels, give the trainer its cores back (EngineProcess's finalizer:
+    runs once)."""
+    os.sched_setaffinity(0, cores)
     if proc.is_alive():
         stop.set()  # skip batches still queued
         try:
@@ -297,5 +340,3 @@ def _shutdown(proc, stop, inbox, results, work_dir: Path, timeout: float = 30.0)
     results.close()
     inbox.cancel_join_thread()  # unsent messages to a dead engine must not block interpreter exit
     inbox.close()
-    for folder in work_dir.glob("v[0-9]*"):
-        shutil.rmtree(folder, ignore_errors=True)

@@ -8,6 +8,7 @@ import ctypes
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -36,13 +37,16 @@ class EngineSpec:
     reward: object = None  # a rlhf.rewards.proxy.RewardSpec: score batches in the engine process
     reference: ReferenceSpec | None = None  # and compute their reference log-probs there too
     dtype: str = "float32"
-    device: str = "cpu"  # "cpu" or "cuda:<i>": the process sees only that GPU
+    device: str = "cpu"  # "cpu" or "cuda:<i>": the process sees only that GPU (given at spawn too)
     gpu_memory_utilization: float | None = None  # vLLM's share of that GPU
 
 
-def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int) -> None:
-    """Entry point of the engine process: build the VLLMEngine (and the scorer), then serve until stopped.
+def engine_process_main(device: str, inbox, results, stop, parent_pid: int) -> None:
+    """Entry point of the engine process: import vLLM and the scorer's code, wait for ("build", EngineSpec), build
+    the VLLMEngine (and the scorer), then serve until stopped. The imports (~7 s of the ~11 s start-up on these
+    CPUs) run before the spec exists: the trainer starts this process first and sends the spec once it knows it.
 
+    device: "cpu" or "cuda:<i>" (spec.device): needed before CUDA starts, so it comes at spawn, not with the spec.
     Errors are sent back as ("error", traceback) before the process exits with code 1.
     """
     _die_with_parent(parent_pid)
@@ -50,12 +54,18 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
     if len(cores) > 1:
         os.sched_setaffinity(0, {cores[-1]})  # its own core; the trainer keeps the others
     torch.set_num_threads(1)
-    device = "cpu"
-    if spec.device.startswith("cuda"):  # before CUDA starts: this process, vLLM included, sees its GPU only
-        os.environ["CUDA_VISIBLE_DEVICES"] = spec.device.partition(":")[2] or "0"
+    if device.startswith("cuda"):  # before CUDA starts: this process, vLLM included, sees its GPU only
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
         device = "cuda:0"  # that GPU, as this process numbers it
     outbox = _Sender(results)
     try:
+        _import_ahead()
+        spec = _next_work(inbox, stop, parent_pid)
+        if spec is None:
+            return
+        if spec[0] != "build":
+            raise ValueError(f"expected the engine's spec first, got {spec[0]!r}")
+        spec = spec[1]
         engine = VLLMEngine(
             Path(spec.model_folder),
             spec.eos_token_id,
@@ -75,8 +85,21 @@ def engine_process_main(spec: EngineSpec, inbox, results, stop, parent_pid: int)
         # Exit at once, with the code the trainer reports: vLLM lives in this process only, so there is
         # nothing to shut down, and a normal interpreter exit (vLLM/torch teardown) can take seconds.
         os._exit(1)
-    engine.close()
     outbox.flush(timeout=10)
+    # Stopped: nothing of this process outlives it, and vLLM's and torch's teardown at a normal exit took ~2 s
+    # of the train stage's wall clock.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _import_ahead() -> None:
+    """What building the engine and the scorer imports, imported while the spec is not known yet."""
+    import vllm  # noqa: F401  (vllm, then its LLM class: ~2 s + ~4 s on these CPUs)
+    import vllm.entrypoints.llm  # noqa: F401
+
+    import rlhf.models.forward  # noqa: F401
+    import rlhf.models.loading  # noqa: F401
 
 
 def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> None:

@@ -57,6 +57,7 @@ def make_engine(
     reference: ReferenceSpec | None = None,
     score: str = "never",
     where: Placement | None = None,
+    process=None,
 ) -> Engine:
     """An engine for rlhf.presets.ENGINES `name`.
 
@@ -65,7 +66,8 @@ def make_engine(
     placed as `where` says (default: beside one training process on `device`). vllm_async samples up to
     `max_staleness` batches ahead in its own process, writing the weights of batches in flight to `work_dir` when
     a checkpoint asks; given `reward` (a rlhf.rewards.proxy.RewardSpec) it can score batches there too, as
-    `score` says, and compute their reference log-probs given `reference` (rlhf.generation.async_engine).
+    `score` says, and compute their reference log-probs given `reference` (rlhf.generation.async_engine). `process`:
+    an async_engine.EngineProcess started earlier for that engine (it has imported vLLM meanwhile).
     """
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError(
@@ -91,11 +93,18 @@ def make_engine(
     common = dict(seed=seed, max_model_len=max_model_len, dtype=dtype, **ids)
     lookahead = max_staleness if name == "vllm_async" else 0
     scoring = dict(reward=reward, reference=reference)  # an engine in its own process only
-    return _vllm_engine(model_folder, common, where, lookahead, work_dir, scoring, score)
+    return _vllm_engine(model_folder, common, where, lookahead, work_dir, scoring, score, process)
 
 
 def _vllm_engine(
-    model_folder: Path, common: dict, where: Placement, lookahead: int, work_dir: Path, scoring: dict, score: str
+    model_folder: Path,
+    common: dict,
+    where: Placement,
+    lookahead: int,
+    work_dir: Path,
+    scoring: dict,
+    score: str,
+    process=None,
 ):
     """VLLMEngine in this process, or in its own behind an AsyncEngine, as `where` says."""
     if not where.own_process:
@@ -110,4 +119,5 @@ def _vllm_engine(
     memory = where.gpu_memory_utilization
     spec = EngineSpec(str(model_folder), **common, **scoring, device=where.device, gpu_memory_utilization=memory)
     work_dir.mkdir(parents=True, exist_ok=True)
-    return AsyncEngine(spec, work_dir, max_staleness=lookahead, score=score if spec.reward is not None else "never")
+    score = score if spec.reward is not None else "never"
+    return AsyncEngine(spec, work_dir, max_staleness=lookahead, score=score, process=process)

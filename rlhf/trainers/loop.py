@@ -38,9 +38,10 @@ ROWS_FILE = "metric_rows.json"  # in each checkpoint: the rows logged so far, so
 CONFIG_FILE = "config.yaml"  # the resolved configuration, next to the trained policy and in every checkpoint
 
 
-def train(cfg: Config) -> dict:
-    """Train with the preset cfg.train.trainer; the final metrics (on the main process; {} on the others)."""
-    run = setup(cfg)
+def train(cfg: Config, engine_process=None) -> dict:
+    """Train with the preset cfg.train.trainer; the final metrics (on the main process; {} on the others).
+    engine_process: the engine's process if the stage started it already (rlhf.trainers.early)."""
+    run = setup(cfg, engine_process)
     with contextlib.closing(run.engine):  # an error must not leave an engine process behind
         state, rows = start(run)
         tracker = Tracker(cfg, "train", enabled=run.acc.is_main_process, rows=rows, run_id=state.wandb_run_id)

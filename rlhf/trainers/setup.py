@@ -2,8 +2,9 @@
 
 The order matters and is kept on purpose: models load before the Accelerator exists (under ZeRO-3 an active
 DeepSpeed config would make transformers partition them at load time, and the reference and reward models are
-not DeepSpeed engines); the global RNGs are seeded before the engine starts; a vLLM engine starts last, from the
-SFT folder, once everything that can fail on a bad input has been loaded.
+not DeepSpeed engines); the global RNGs are seeded before a colocated vLLM engine starts, last, from the SFT
+folder, once everything that can fail on a bad input has been loaded. An engine in its own process starts first
+instead (its process even before the trainer's imports, rlhf.trainers.early): its start-up is the longest.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from rlhf.models.lora import AdaptersOff, add_adapters
 from rlhf.presets import resolve
 from rlhf.rewards.proxy import GoldReward, RewardSpec
 from rlhf.runtime import env_int
+from rlhf.trainers.early import own_process_engine
 from rlhf.trainers.objectives import OBJECTIVES, Objective
 
 
@@ -100,7 +102,8 @@ class Run:
         return batch_prompts(self.prompts, t, self.sizes, self.acc.process_index, self.cfg.seed)
 
 
-def setup(cfg: Config) -> Run:
+def setup(cfg: Config, engine_process=None) -> Run:
+    """engine_process: the engine's process, started by the stage before the trainer's imports (rlhf.trainers.early)."""
     c = cfg.train
     algorithm, engine_name = resolve(c.trainer, c.engine)
     objective = OBJECTIVES[algorithm](c)
@@ -108,7 +111,7 @@ def setup(cfg: Config) -> Run:
     prompts = load_rl_prompts(cfg, tokenizer)
     reward = RewardSpec(c.reward, str(cfg.path("gold") if c.reward == "gold" else cfg.path("reward", "model")))
     # An engine in its own process builds vLLM (from the SFT folder) while this one loads its models.
-    early = _start_engine_early(cfg, engine_name, tokenizer, prompts, reward)
+    early = _start_engine_early(cfg, tokenizer, prompts, reward, engine_process)
     try:
         policy, ref, value = _setup_models(cfg, objective.needs_values, _scoring_side(c, engine_name) != "always")
         reward_fn, gold = _setup_reward(cfg, engine_name, reward)
@@ -209,22 +212,14 @@ def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
     return reward_fn, GoldJudge.load(cfg.path("gold"))
 
 
-def _launch() -> tuple[int, int, torch.device]:
-    """(rank, world size, rank's device) from the launcher's environment, before the Accelerator exists."""
-    rank, world = env_int("RANK", 0), env_int("WORLD_SIZE", 1, minimum=1)
-    local = env_int("LOCAL_RANK", 0)
-    return rank, world, torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _start_engine_early(cfg: Config, name: str, tokenizer, prompts, reward: RewardSpec) -> Engine | None:
-    """On rank 0, an engine that runs in its own process (placement) starts now; None otherwise."""
-    if name == "hf":
+def _start_engine_early(cfg: Config, tokenizer, prompts, reward: RewardSpec, process) -> Engine | None:
+    """On rank 0, an engine that runs in its own process starts building now (in `process` if the stage started
+    one, rlhf.trainers.early); None otherwise."""
+    found = own_process_engine(cfg)
+    if found is None:
         return None
-    rank, world, device = _launch()
-    where = placement(name, cfg.train.engine_device, cfg.train.engine_gpu_memory_utilization, world, device)
-    if rank != 0 or not where.own_process:
-        return None
-    return _make_engine(cfg, name, None, tokenizer, prompts, reward, device, where)
+    name, where, device = found
+    return _make_engine(cfg, name, None, tokenizer, prompts, reward, device, where, process)
 
 
 def _setup_engine(cfg: Config, name: str, early, policy, tokenizer, prompts, reward: RewardSpec, acc) -> Engine:
@@ -240,7 +235,9 @@ def _setup_engine(cfg: Config, name: str, early, policy, tokenizer, prompts, rew
     return SharedEngine(engine, acc.process_index, world, lookahead=c.max_staleness if name == "vllm_async" else 0)
 
 
-def _make_engine(cfg: Config, name: str, policy, tokenizer, prompts, reward: RewardSpec, device, where) -> Engine:
+def _make_engine(
+    cfg: Config, name: str, policy, tokenizer, prompts, reward: RewardSpec, device, where, process=None
+) -> Engine:
     """The engine starts from the SFT weights (version 0); a resumed run syncs its own weights right after."""
     c = cfg.train
     score = _scoring_side(c, name)
@@ -259,6 +256,7 @@ def _make_engine(cfg: Config, name: str, policy, tokenizer, prompts, reward: Rew
         reference=ReferenceSpec(c.temperature, c.mixed_precision == "bf16") if score != "never" else None,
         score=score,
         where=where,
+        process=process,
     )
 
 
