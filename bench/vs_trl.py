@@ -291,6 +291,7 @@ def run_ours(args) -> None:
 
 
 def run_side(side: str, algo: str, rep: int, args, trl_python: Path, spec_path: Path, seed: int) -> dict:
+    """One run of `side` in its own process (round `rep`, its `seed`); its result.json plus what was measured."""
     out = OUT / f"{side}-{algo}-{rep}"
     engine = "vllm_async" if side == "ours_async" else "hf"
     shutil.rmtree(out, ignore_errors=True)
@@ -430,7 +431,8 @@ def compare(algo: str, runs: list[dict], mine: str) -> dict:
         f"{g('speedup_ours_loop_vs_trl_train_call'):.2f}x), wall vs wall {g('speedup_eps_wall'):.2f}x, process "
         f"{g('speedup_process'):.2f}x; peak RSS {g('rss_ratio'):.2f}x; reward {g('reward_ours_minus_trl'):+.3f} "
         f"(s.e. {se:.3f} in a round, {se_rounds:.3f} over rounds: " + ", ".join(f"{d:+.3f}" for d in diffs) + ") "
-        f"-> target {target}x {'MET' if g('target_met') else 'MISSED'}"
+        f"-> target {target}x {'MET' if g('target_met') else 'MISSED'}\n  {'':<22}TRL's reward callable vs rlhf "
+        f"ProxyReward: max |diff| {m[f'{algo}/trl_reward_check_max_abs_diff']:.1e}"
     )
     return m
 
@@ -493,7 +495,7 @@ def main() -> None:
     for rep in range(1, args.repeats + 1):
         for algo in args.algos:
             for side in sides:
-                runs.append(run_side(side, algo, rep, args, trl_python, specs[algo, rep], seed0 + rep - 1))
+                runs.append(run_side(side, algo, rep, args, trl_python, specs[algo, rep], cfgs[algo, rep].seed))
 
     cfg0 = cfgs[args.algos[0], 1]
     reward_fn = RewardSpec("proxy", str(data / "reward" / "model")).build()

@@ -95,8 +95,7 @@ def engine_process_main(device: str, inbox, results, stop, parent_pid: int) -> N
 
 def _import_ahead() -> None:
     """What building the engine and the scorer imports, imported while the spec is not known yet."""
-    import vllm  # noqa: F401  (vllm, then its LLM class: ~2 s + ~4 s on these CPUs)
-    import vllm.entrypoints.llm  # noqa: F401
+    import vllm.entrypoints.llm  # noqa: F401  (vllm, then its LLM class: ~2 s + ~4 s on these CPUs)
 
     import rlhf.models.forward  # noqa: F401
     import rlhf.models.loading  # noqa: F401

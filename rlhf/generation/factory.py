@@ -41,6 +41,11 @@ def placement(name: str, setting: str, memory: float | None, world: int, learner
     return Placement(device, own_process, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY))
 
 
+def lookahead(name: str, max_staleness: int) -> int:
+    """How many batches engine `name` samples ahead of training: max_staleness for vllm_async, else 0."""
+    return max_staleness if name == "vllm_async" else 0
+
+
 def make_engine(
     name: str,
     model: torch.nn.Module,
@@ -91,16 +96,16 @@ def make_engine(
     if name == "vllm_async" and max_staleness < 1:
         raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
     common = dict(seed=seed, max_model_len=max_model_len, dtype=dtype, **ids)
-    lookahead = max_staleness if name == "vllm_async" else 0
     scoring = dict(reward=reward, reference=reference)  # an engine in its own process only
-    return _vllm_engine(model_folder, common, where, lookahead, work_dir, scoring, score, process)
+    ahead = lookahead(name, max_staleness)
+    return _vllm_engine(model_folder, common, where, ahead, work_dir, scoring, score, process)
 
 
 def _vllm_engine(
     model_folder: Path,
     common: dict,
     where: Placement,
-    lookahead: int,
+    ahead: int,
     work_dir: Path,
     scoring: dict,
     score: str,
@@ -120,4 +125,4 @@ def _vllm_engine(
     spec = EngineSpec(str(model_folder), **common, **scoring, device=where.device, gpu_memory_utilization=memory)
     work_dir.mkdir(parents=True, exist_ok=True)
     score = score if spec.reward is not None else "never"
-    return AsyncEngine(spec, work_dir, max_staleness=lookahead, score=score, process=process)
+    return AsyncEngine(spec, work_dir, max_staleness=ahead, score=score, process=process)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlhf.config import Config
-from rlhf.generation.factory import Placement, placement
+from rlhf.generation.factory import Placement, lookahead, placement
 from rlhf.presets import resolve
 from rlhf.runtime import env_int
 
@@ -42,4 +42,4 @@ def start_engine_process(cfg: Config):
     from rlhf.generation.async_engine import EngineProcess
 
     name, where, _ = found
-    return EngineProcess(where.device, cfg.train.max_staleness if name == "vllm_async" else 0)
+    return EngineProcess(where.device, lookahead(name, cfg.train.max_staleness))

@@ -22,7 +22,7 @@ from transformers import get_scheduler
 
 from rlhf.config import Config, TrainConfig, fingerprint
 from rlhf.generation.base import Engine, ReferenceSpec, SamplingParams
-from rlhf.generation.factory import make_engine, placement
+from rlhf.generation.factory import lookahead, make_engine, placement
 from rlhf.generation.shared import SharedEngine
 from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
 from rlhf.models.loading import load_tokenizer
@@ -232,7 +232,7 @@ def _setup_engine(cfg: Config, name: str, early, policy, tokenizer, prompts, rew
         )
         return early or _make_engine(cfg, name, policy, tokenizer, prompts, reward, acc.device, where)
     engine = early if acc.process_index == 0 else None
-    return SharedEngine(engine, acc.process_index, world, lookahead=c.max_staleness if name == "vllm_async" else 0)
+    return SharedEngine(engine, acc.process_index, world, lookahead=lookahead(name, c.max_staleness))
 
 
 def _make_engine(
