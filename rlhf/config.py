@@ -205,11 +205,20 @@ class TrainConfig(_Section):
         description="share of the engine's GPU that vLLM takes (weights + KV cache); null = 0.9 on a GPU of its own, "
         "0.3 on a GPU it shares with training; ignored on CPU",
     )
+    engine_backend: Literal["process", "ray"] = Field(
+        "process",
+        description="vllm_async: the engine in a process of the trainer's own, or num_engines Ray actors placed by "
+        "Ray (a local cluster on 127.0.0.1, or RAY_ADDRESS's; docs/scale-out.md)",
+    )
+    num_engines: int = Field(
+        1, ge=1, description="E: vLLM engines (engine_backend ray), each sampling a slice of every batch's prompts"
+    )
     score_in_engine: Literal["auto", "always", "never"] = Field(
         "auto",
         description="vllm_async: score batches and compute their reference log-probs in the engine process "
         "(overlapped with training) or in the learner; auto: each batch on whichever side waited less for the other "
-        "lately; always: the learner loads no reference model. Same numbers either way",
+        "lately (with several Ray engines auto is always); always: the learner loads no reference model. Same numbers "
+        "either way",
     )
     tis_cap: float | None = Field(
         None,
@@ -273,12 +282,16 @@ class TrainConfig(_Section):
                 f"train.total_episodes ({self.total_episodes}) must be divisible by the prompts per batch "
                 f"P*G*M = {P}*{G}*{M} = {P * G * M}"
             )
-        algorithm, _ = resolve(self.trainer, self.engine)
+        algorithm, engine = resolve(self.trainer, self.engine)
         if self.tis_cap is not None and algorithm not in POLICY_GRADIENT_ALGORITHMS:
             raise ValueError(
                 f"train.tis_cap weights policy-gradient advantages: it applies to "
                 f"{', '.join(POLICY_GRADIENT_ALGORITHMS)}, not {self.trainer}"
             )
+        if self.engine_backend == "ray" and engine != "vllm_async":
+            raise ValueError(f"train.engine_backend: ray runs vllm_async engines, not {engine} (set train.engine)")
+        if self.num_engines > 1 and self.engine_backend != "ray":
+            raise ValueError(f"train.num_engines: {self.num_engines} engines need train.engine_backend: ray")
         fractions = self.eval_checkpoints
         if not all(0 < f <= 1 for f in fractions) or sorted(set(fractions)) != fractions:
             raise ValueError(f"train.eval_checkpoints must rise within (0, 1], got {fractions}")

@@ -19,6 +19,7 @@ OFFLINE_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
+    "RAY_USAGE_STATS_ENABLED": "0",
     "DO_NOT_TRACK": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "1",
@@ -54,6 +55,8 @@ def configure() -> None:
     """
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+    if "RAY_ADDRESS" not in os.environ:  # no Ray cluster to join: a local one binds 127.0.0.1 only (ray_engines)
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     for key, sub in CACHE_ENV.items():
         os.environ.setdefault(key, str(CACHE / sub))
     import torch

@@ -96,11 +96,11 @@ def test_the_sft_stage_trains_on_the_device(ci_data, tmp_path):
 
 
 def test_the_async_engine_scores_and_computes_the_reference_on_its_device(ci_data):
-    """The engine process's post-processing (rlhf.generation.engine_process._Scorer) run here on the guard device:
+    """The engine process's post-processing (rlhf.generation.engine_process.Scorer) run here on the guard device:
     the sampled responses arrive in host memory, the reward model and the reference run on the engine's device,
     and the results leave as numpy arrays, copied to the host first."""
     from rlhf.generation.base import ReferenceSpec, SamplingParams
-    from rlhf.generation.engine_process import EngineSpec, _Scorer
+    from rlhf.generation.engine_process import EngineSpec, Scorer
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.proxy import RewardSpec
 
@@ -112,5 +112,5 @@ def test_the_async_engine_scores_and_computes_the_reference_on_its_device(ci_dat
     prompts = [tokenizer("the film was")["input_ids"], tokenizer("a")["input_ids"]]
     responses = torch.randint(4, 40, (4, 6))  # 2 prompts x k=2, in host memory as vLLM returns them
     with training_device_elsewhere() as device:
-        scores, refs = _Scorer(spec, device)(prompts, responses, SamplingParams(2, 6, 0.7), parts=[1, 1])
+        scores, refs = Scorer(spec, device)(prompts, responses, SamplingParams(2, 6, 0.7), parts=[1, 1])
     assert scores.shape == (4,) and refs.shape == (4, 6)

@@ -264,11 +264,30 @@ def async2(policy, tmp_path_factory):
     engine.close()
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_async_loop_protocol_staleness_order_and_snapshots(policy, request, n):
-    """The loop's protocol: submit batches up to t+N, receive batch t, 'train' (perturb), load_weights(t+1)."""
+@pytest.fixture(scope="module")
+def ray2(policy, tmp_path_factory):
+    """Two engines as Ray actors (a local Ray cluster on loopback), N = 1."""
     folder, tok = policy
-    engine = request.getfixturevalue(f"async{n}")
+    start = time.perf_counter()
+    work = tmp_path_factory.mktemp("ray2_work")
+    limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=work, max_staleness=1)
+    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits, backend="ray", num_engines=2)
+    engine.wait_ready()
+    print(f"\nray (E=2, N=1) engines ready after {time.perf_counter() - start:.1f} s")
+    yield engine
+    engine.close()
+
+
+SAMPLED: dict[tuple[int, int], torch.Tensor] = {}  # (N, batch) -> responses, to compare engines' samples
+
+
+@pytest.mark.parametrize("name", ["async1", "async2", "ray2"])
+def test_async_loop_protocol_staleness_order_and_snapshots(policy, request, name):
+    """The loop's protocol: submit batches up to t+N, receive batch t, 'train' (perturb), load_weights(t+1).
+    Two Ray engines (each sampling half of every batch) follow it exactly as one engine process."""
+    folder, tok = policy
+    engine = request.getfixturevalue(name)
+    n = 2 if name == "async2" else 1
     assert engine.lookahead == n
     model = loading.load_causal_lm(folder)
     states = {0: copy.deepcopy(model.state_dict())}
@@ -296,6 +315,11 @@ def test_async_loop_protocol_staleness_order_and_snapshots(policy, request, n):
             model_now.load_state_dict(states[t])
             now = hf_logprobs(model_now, batch_prompts(t), gen.responses, k, temperature, tok.eos_token_id)
             assert (gen.logprobs - now).abs().max() > 1e-3
+        # the same seeds per prompt and the same weights: two engines sample what one samples (async1 ran first,
+        # in file order, unless deselected)
+        if name == "ray2" and (n, t) in SAMPLED:
+            assert torch.equal(gen.responses, SAMPLED[(n, t)])
+        SAMPLED[(n, t)] = gen.responses
         stats = engine.stats()
         assert set(stats) == {"timing/engine_idle", "timing/weight_sync_engine", "timing/weight_snapshot"}
         assert all(v >= 0 for v in stats.values()) and gen.seconds > 0
@@ -369,6 +393,23 @@ def test_async_killed_engine_raises_within_seconds(policy, async2):
         async2.submit(prompt_ids(tok, ["the"]), params)
     async2.close()
     async2.close()
+
+
+def test_killed_ray_engine_actor_raises_naming_it(policy, ray2):
+    import ray
+
+    _, tok = policy
+    params = SamplingParams(k=4, max_new_tokens=40, temperature=1.0)
+    ray2.submit(prompt_ids(tok, ["the movie was"] * 64), params)
+    ray.kill(ray2._process.actors[1])
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"vLLM engine actor 1 on node 127\.0\.0\.1, pid \d+ of 2 died"):
+        ray2.receive()
+    assert time.perf_counter() - start < 10
+    with pytest.raises(RuntimeError, match="actor 1 on node"):
+        ray2.submit(prompt_ids(tok, ["the"]), params)
+    ray2.close()
+    ray2.close()
 
 
 def test_hf_engine_returns_the_log_probs_it_sampled_with(policy):

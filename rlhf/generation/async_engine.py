@@ -1,5 +1,7 @@
 """Asynchronous generation: a VLLMEngine in its own process samples up to N batches ahead of training.
-This module is the trainer's side; the engine process runs rlhf.generation.engine_process.
+This module is the trainer's side; the engine process runs rlhf.generation.engine_process. With
+train.engine_backend: ray the same AsyncEngine drives E engines as Ray actors instead (rlhf.generation.ray_engines:
+same messages, same staleness rule); what follows describes the process backend.
 
 Processes and channels:
 - The trainer (this process) and one engine process (multiprocessing "spawn"), pinned to the last allowed core
@@ -109,6 +111,55 @@ class EngineProcess:
         self._finalizer()
         atexit.unregister(self._finalizer)
 
+    # The channel an AsyncEngine drives (rlhf.generation.ray_engines.RayEngines offers the same five calls)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def send(self, msg: tuple, timeout: float) -> bool:
+        """Queue a message for the engine; False if the queue stayed full for `timeout` seconds."""
+        try:
+            self.inbox.put(msg, timeout=timeout)
+            return True
+        except queue.Full:
+            return False
+
+    def recv(self, timeout: float) -> tuple | None:
+        """The engine's next message within `timeout` seconds, else None; RuntimeError once the engine is gone."""
+        try:
+            if self.results.poll(timeout):
+                return self.results.recv()
+        except (EOFError, OSError):
+            raise self.dead("closed its result channel") from None
+        if not self.proc.is_alive() and not self.results.poll(0):
+            raise self.dead("exited")
+        return None
+
+    def dead(self, what: str) -> RuntimeError:
+        """The error that reports the engine process as `what` ("exited", "failed:\n<traceback>", ...)."""
+        self.proc.join(timeout=5)  # the exit code, once it has exited
+        code = self.proc.exitcode
+        how = "still running" if code is None else f"exit code {code}"
+        if code is not None and code < 0:
+            how += f" ({signal.Signals(-code).name})"
+        return RuntimeError(f"vLLM engine process (pid {self.proc.pid}, {how}) {what}")
+
+
+def start_engine(device: str, max_staleness: int, backend: str = "process", num_engines: int = 1):
+    """The channel to an async engine, starting now: its own process (EngineProcess), or `num_engines` Ray actors
+    (rlhf.generation.ray_engines.RayEngines). device: the engine's (EngineSpec.device)."""
+    if backend == "ray":
+        from rlhf.generation.ray_engines import RayEngines
+
+        return RayEngines(device, max_staleness, num_engines)
+    if backend != "process" or num_engines != 1:
+        raise ValueError(f"an engine process is one engine (backend process), got {num_engines} on {backend!r}")
+    return EngineProcess(device, max_staleness)
+
 
 class AsyncEngine:
     """The Engine protocol over a VLLMEngine in its own process; lookahead = max_staleness (N >= 0)."""
@@ -123,8 +174,8 @@ class AsyncEngine:
         process: EngineProcess | None = None,
     ):
         """spec: the engine to build (rlhf.generation.engine_process); work_dir: where checkpoints' copies of the
-        weights in flight are written; process: one started earlier for this spec's device and max_staleness
-        (else one is started now)."""
+        weights in flight are written; process: its channel (start_engine), started earlier for this spec's device
+        and max_staleness (else an engine process is started now)."""
         if max_staleness < 0:
             raise ValueError(f"AsyncEngine: max_staleness must be >= 0, got {max_staleness}")
         if process is not None and (process.device, process.max_staleness) != (spec.device, max_staleness):
@@ -146,7 +197,6 @@ class AsyncEngine:
         self._learner_wait = self._engine_idle = 0.0  # moving averages, seconds per batch: who waits for whom
         self.start_seconds = float("nan")
         self._process = process or EngineProcess(spec.device, max_staleness)
-        self._proc, self._inbox, self._results = self._process.proc, self._process.inbox, self._process.results
         self._finalizer = weakref.finalize(self, _close, self._process, self.work_dir)
         self._finalizer.atexit = False  # as EngineProcess: before multiprocessing's exit hook
         atexit.register(self._finalizer)
@@ -193,7 +243,7 @@ class AsyncEngine:
     def _recycle(self, version: int) -> None:
         """Before `version` is sent: the copies no checkpoint will need (older than version-N) and that the engine is
         done with (it acknowledged a newer version) become spare buffers; their checkpoint files go."""
-        while self._proc.is_alive() and (msg := self._next_message(timeout=0)) is not None:  # acks so far
+        while self._process.alive() and (msg := self._next_message(timeout=0)) is not None:  # acks so far
             self._handle(msg)
         for old in [v for v in self._snapshots if v < min(version - self.lookahead, self._acked)]:
             self._spare = [self._snapshots.pop(old)]  # one spare set of buffers is enough
@@ -226,7 +276,7 @@ class AsyncEngine:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid
+        return self._process.pid
 
     # Channel plumbing
 
@@ -236,7 +286,7 @@ class AsyncEngine:
             while math.isnan(self.start_seconds):
                 msg = self._next_message(timeout=max(0.0, self._start_deadline - time.monotonic()))
                 if msg is None:
-                    raise RuntimeError(f"vLLM engine process (pid {self._proc.pid}) did not start in time")
+                    raise RuntimeError(f"vLLM engine (pid {self._process.pid}) did not start in time")
                 self._handle(msg)
         except BaseException:
             self.close()
@@ -250,16 +300,14 @@ class AsyncEngine:
         while True:
             if not self._finalizer.alive:
                 raise RuntimeError("AsyncEngine: used after close()")
-            if not self._proc.is_alive():  # fail now, not at the next receive
+            if not self._process.alive():  # fail now, not at the next receive
                 while (ready := self._next_message(timeout=0)) is not None:  # raises with its error or exit code
                     self._handle(ready)
-            try:
-                self._inbox.put(msg, timeout=POLL_SECONDS)
+            if self._process.send(msg, timeout=POLL_SECONDS):
                 return
-            except queue.Full:
-                # The engine may be waiting to hand over results: take them so it can move on.
-                while (ready := self._next_message(timeout=0)) is not None:
-                    self._handle(ready)
+            # The engine may be waiting to hand over results: take them so it can move on.
+            while (ready := self._next_message(timeout=0)) is not None:
+                self._handle(ready)
 
     def _next_message(self, timeout: float | None) -> tuple | None:
         """The next message from the engine; None after `timeout` seconds (None = wait as long as it lives)."""
@@ -268,20 +316,15 @@ class AsyncEngine:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
-            try:
-                if self._results.poll(wait):
-                    return self._results.recv()
-            except (EOFError, OSError):
-                raise self._dead("closed its result channel") from None
-            if not self._proc.is_alive() and not self._results.poll(0):
-                raise self._dead("exited")
+            if (msg := self._process.recv(wait)) is not None:
+                return msg
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "result":
-            _, batch, responses, logprobs, scores, refs, prompts, version, seconds, idle, reload, scoring = msg
+            _, batch, responses, logprobs, scores, refs, prompts, version, seconds, scoring, idle, reload = msg
             scores, refs = (None if a is None else torch.from_numpy(a) for a in (scores, refs))
             logprobs = torch.from_numpy(logprobs)
             gen = Generated(torch.from_numpy(responses), version, seconds, logprobs, scores, prompts, ref_logprobs=refs)
@@ -294,17 +337,9 @@ class AsyncEngine:
         elif kind == "ready":
             self.start_seconds = msg[1]
         elif kind == "error":
-            raise self._dead(f"failed:\n{msg[1]}")
+            raise self._process.dead(f"failed:\n{msg[1]}")
         else:
             raise RuntimeError(f"AsyncEngine: unknown message {kind!r} from the vLLM engine process")
-
-    def _dead(self, what: str) -> RuntimeError:
-        self._proc.join(timeout=5)  # the exit code, once it has exited
-        code = self._proc.exitcode
-        how = "still running" if code is None else f"exit code {code}"
-        if code is not None and code < 0:
-            how += f" ({signal.Signals(-code).name})"
-        return RuntimeError(f"vLLM engine process (pid {self._proc.pid}, {how}) {what}")
 
 
 def _close(process: EngineProcess, work_dir: Path) -> None:

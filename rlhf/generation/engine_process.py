@@ -59,24 +59,14 @@ def engine_process_main(device: str, inbox, results, stop, parent_pid: int) -> N
         device = "cuda:0"  # that GPU, as this process numbers it
     outbox = _Sender(results)
     try:
-        _import_ahead()
+        import_ahead()
         spec = _next_work(inbox, stop, parent_pid)
         if spec is None:
             return
         if spec[0] != "build":
             raise ValueError(f"expected the engine's spec first, got {spec[0]!r}")
         spec = spec[1]
-        engine = VLLMEngine(
-            Path(spec.model_folder),
-            spec.eos_token_id,
-            spec.pad_token_id,
-            spec.seed,
-            spec.max_model_len,
-            spec.dtype,
-            spec.gpu_memory_utilization,
-            device,
-        )
-        scorer = _Scorer(spec, torch.device(device)) if spec.reward is not None else None
+        engine, scorer = build(spec, device)
         outbox.send(("ready", engine.start_seconds))
         _serve(engine, scorer, inbox, outbox, stop, parent_pid)
     except BaseException:
@@ -93,7 +83,22 @@ def engine_process_main(device: str, inbox, results, stop, parent_pid: int) -> N
     os._exit(0)
 
 
-def _import_ahead() -> None:
+def build(spec: EngineSpec, device: str) -> tuple[VLLMEngine, Scorer | None]:
+    """The engine `spec` describes, on `device` as this process numbers it, and its scorer when it scores."""
+    engine = VLLMEngine(
+        Path(spec.model_folder),
+        spec.eos_token_id,
+        spec.pad_token_id,
+        spec.seed,
+        spec.max_model_len,
+        spec.dtype,
+        spec.gpu_memory_utilization,
+        device,
+    )
+    return engine, Scorer(spec, torch.device(device)) if spec.reward is not None else None
+
+
+def import_ahead() -> None:
     """What building the engine and the scorer imports, imported while the spec is not known yet."""
     import vllm.entrypoints.llm  # noqa: F401  (vllm, then its LLM class: ~2 s + ~4 s on these CPUs)
 
@@ -117,20 +122,25 @@ def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> 
             del msg, weights  # vLLM holds its own copy now: the trainer may reuse the shared buffers
             outbox.send(("ack", version))
         elif msg[0] == "generate":
-            _, batch, prompts, params, score, parts = msg
-            gen = engine.generate(prompts, params, batch)
-            scored = time.perf_counter()
-            scored_here = scorer is not None and score
-            scores, refs = scorer(prompts, gen.responses, params, parts) if scored_here else (None, None)
-            scoring = time.perf_counter() - scored
-            arrays = (gen.responses.numpy(), gen.logprobs.numpy(), scores, refs)
-            outbox.send(("result", batch, *arrays, gen.prompts, gen.version, gen.seconds, idle, reload, scoring))
+            outbox.send(("result", msg[1], *sample_and_score(engine, scorer, msg[1:]), idle, reload))
             idle = reload = 0.0
         else:
             raise ValueError(f"unknown message {msg[0]!r}")
 
 
-class _Scorer:
+def sample_and_score(engine: VLLMEngine, scorer, work: tuple, first: int = 0) -> tuple:
+    """One batch: work = (batch, prompts, params, score, parts) -> (responses, logprobs, scores, reference log-probs,
+    prompts as sampled, weight version, generation seconds, scoring seconds), arrays as numpy (the wire format).
+    `first`: the index of prompts[0] in the run's batch, when this engine samples a slice of it (Ray engines)."""
+    batch, prompts, params, score, parts = work
+    gen = engine.generate(prompts, params, batch, first)
+    scored = time.perf_counter()
+    scores, refs = scorer(prompts, gen.responses, params, parts) if scorer is not None and score else (None, None)
+    scoring = time.perf_counter() - scored
+    return gen.responses.numpy(), gen.logprobs.numpy(), scores, refs, gen.prompts, gen.version, gen.seconds, scoring
+
+
+class Scorer:
     """The run's reward function, and the reference log-probs when asked, inside the engine process: fed exactly
     what the learner would feed them and computed by the same functions, so the numbers are the learner's."""
 

@@ -63,6 +63,8 @@ def make_engine(
     score: str = "never",
     where: Placement | None = None,
     process=None,
+    backend: str = "process",
+    num_engines: int = 1,
 ) -> Engine:
     """An engine for rlhf.presets.ENGINES `name`.
 
@@ -72,7 +74,8 @@ def make_engine(
     `max_staleness` batches ahead in its own process, writing the weights of batches in flight to `work_dir` when
     a checkpoint asks; given `reward` (a rlhf.rewards.proxy.RewardSpec) it can score batches there too, as
     `score` says, and compute their reference log-probs given `reference` (rlhf.generation.async_engine). `process`:
-    an async_engine.EngineProcess started earlier for that engine (it has imported vLLM meanwhile).
+    the channel to that engine started earlier (async_engine.start_engine: it has imported vLLM meanwhile); else
+    one is started here: an engine process, or `num_engines` Ray actors with `backend` "ray".
     """
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError(
@@ -98,6 +101,10 @@ def make_engine(
     common = dict(seed=seed, max_model_len=max_model_len, dtype=dtype, **ids)
     scoring = dict(reward=reward, reference=reference)  # an engine in its own process only
     ahead = lookahead(name, max_staleness)
+    if process is None and where.own_process:
+        from rlhf.generation.async_engine import start_engine
+
+        process = start_engine(where.device, ahead, backend, num_engines)
     return _vllm_engine(model_folder, common, where, ahead, work_dir, scoring, score, process)
 
 

@@ -53,8 +53,11 @@ def request_seed(seed: int, batch: int, prompt: int, k: int) -> int:
     return int.from_bytes(digest, "big") + prompt * k
 
 
-def vllm_sampling_params(params: SamplingParams, eos_token_id: int, seed: int, batch: int, num_prompts: int) -> list:
-    """One vllm.SamplingParams per prompt: n=K, temperature, top_p=1, no top-k, sampled-token log-probs.
+def vllm_sampling_params(
+    params: SamplingParams, eos_token_id: int, seed: int, batch: int, num_prompts: int, first: int = 0
+) -> list:
+    """One vllm.SamplingParams per prompt: n=K, temperature, top_p=1, no top-k, sampled-token log-probs. The
+    prompts are prompts first .. first+num_prompts-1 of the batch (an engine sampling one slice of it).
 
     temperature 0 is vLLM's greedy decoding (0 < T < 0.01 is raised to 0.01 by vLLM, with a warning).
     """
@@ -72,7 +75,7 @@ def vllm_sampling_params(params: SamplingParams, eos_token_id: int, seed: int, b
             seed=request_seed(seed, batch, i, params.k),
             detokenize=False,
         )
-        for i in range(num_prompts)
+        for i in range(first, first + num_prompts)
     ]
 
 
@@ -211,14 +214,15 @@ class VLLMEngine:
 
     # Used directly by the async engine's process
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, batch: int) -> Generated:
-        """Sample K completions for each prompt with the current weights; `batch` picks the seeds."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, batch: int, first: int = 0) -> Generated:
+        """Sample K completions for each prompt with the current weights; `batch` picks the seeds, `first` is the
+        index of prompts[0] in the batch (several engines sampling slices of one batch draw its seeds)."""
         from vllm.inputs import TokensPrompt
 
         if self.llm is None:
             raise RuntimeError("VLLMEngine: generate after close()")
         start = time.perf_counter()
-        sampling = vllm_sampling_params(params, self.eos_token_id, self.seed, batch, len(prompts))
+        sampling = vllm_sampling_params(params, self.eos_token_id, self.seed, batch, len(prompts), first)
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
         with _eager_on_cpu(self.device):
             outputs = self.llm.generate(requests, sampling, use_tqdm=False)

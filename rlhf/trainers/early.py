@@ -35,11 +35,13 @@ def own_process_engine(cfg: Config) -> tuple[str, Placement, torch.device] | Non
 
 
 def start_engine_process(cfg: Config):
-    """That engine's process (rlhf.generation.async_engine.EngineProcess), importing vLLM from now on; or None."""
+    """That engine's channel (rlhf.generation.async_engine.start_engine: its process, or its Ray actors), importing
+    vLLM from now on; or None."""
     found = own_process_engine(cfg)
     if found is None:
         return None
-    from rlhf.generation.async_engine import EngineProcess
+    from rlhf.generation.async_engine import start_engine
 
     name, where, _ = found
-    return EngineProcess(where.device, lookahead(name, cfg.train.max_staleness))
+    c = cfg.train
+    return start_engine(where.device, lookahead(name, c.max_staleness), c.engine_backend, c.num_engines)

@@ -191,8 +191,13 @@ def _place_frozen(model: nn.Module, acc: Accelerator) -> nn.Module:
 
 
 def _scoring_side(c: TrainConfig, engine_name: str) -> str:
-    """train.score_in_engine where it applies (the async engine), else "never": the learner scores."""
-    return c.score_in_engine if engine_name == "vllm_async" else "never"
+    """train.score_in_engine where it applies (the async engine), else "never": the learner scores. With several
+    Ray engines "auto" is "always": each engine scores its slice of a batch, padded unlike the learner's whole part,
+    so the last bits of a score would depend on which side scored it (and a run on timing)."""
+    if engine_name != "vllm_async":
+        return "never"
+    several = c.engine_backend == "ray" and c.num_engines > 1
+    return "always" if several and c.score_in_engine == "auto" else c.score_in_engine
 
 
 def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
@@ -257,6 +262,8 @@ def _make_engine(
         score=score,
         where=where,
         process=process,
+        backend=c.engine_backend,
+        num_engines=c.num_engines,
     )
 
 

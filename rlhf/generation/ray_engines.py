@@ -1,0 +1,256 @@
+"""Generation engines as Ray actors (train.engine_backend: ray): E engines, each a VLLMEngine built by the same code
+as the engine process (rlhf.generation.engine_process), placed by Ray on any node of a cluster.
+
+`RayEngines` is the channel an AsyncEngine drives, with the same calls as EngineProcess (send, recv, alive, dead,
+close), so staleness, checkpoints of the weights in flight and scoring are the async engine's, unchanged:
+- ("build", spec): every actor builds its engine (and scorer); ("ready", seconds of the slowest) once all have.
+- ("weights", SharedWeights, version): one copy goes into Ray's object store (numpy buffers: actors on the
+  learner's node read them without a copy, other nodes fetch them once) and every actor loads it; ("ack", version)
+  once all have. No shared filesystem is needed.
+- ("generate", batch, prompts, params, score, parts): the prompts are cut into E contiguous slices, slice e to actor
+  e, which seeds prompt i of the batch as a single engine would (rlhf.generation.vllm.request_seed), so a run is
+  reproducible for a fixed E; the slices come back as one "result", in prompt order.
+Staleness: Ray runs the calls one caller makes on an actor in the order they were made (these actors run one call at
+a time), and every actor gets each weights call before the generate calls made after it, so every slice of batch t
+is sampled with the same version, the newest loaded when the actor starts it: >= t-N, as with one engine.
+Faults: an actor that dies (killed, node lost, out of memory) or raises fails the trainer's next receive with a
+RuntimeError naming the actor, its node and pid, within a poll (~0.5 s). Actors are not restarted.
+Cluster: with RAY_ADDRESS set, ray.init joins that cluster; else the first RayEngines of the process starts a local
+one bound to 127.0.0.1 (no dashboard; its files in .cache/ray), kept for later runs in the process.
+GPU (reasoned, not run: docs/scale-out.md): an engine on a GPU asks Ray for one (num_gpus=1) and runs vLLM there;
+weights still travel through host memory, where an NCCL broadcast from the learner would replace the object store.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import deque
+
+import numpy as np
+import torch
+
+from rlhf.generation.weights import SharedWeights
+from rlhf.runtime import CACHE, OFFLINE_ENV
+
+
+def start_cluster() -> None:
+    """Join RAY_ADDRESS's cluster, or start a local one on loopback; nothing when Ray is already initialised."""
+    import ray
+    from ray._private import ray_constants
+
+    if ray.is_initialized():
+        return
+    if "RAY_ADDRESS" not in os.environ:
+        # A node of no cluster takes 127.0.0.1 as its address and every server binds to it, not to all interfaces
+        # (rlhf.runtime sets the variable behind this flag too; vLLM may have imported ray before we could).
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    env = {"env_vars": {k: os.environ[k] for k in OFFLINE_ENV if k in os.environ}}
+    if "RAY_ADDRESS" in os.environ:
+        ray.init(runtime_env=env, configure_logging=False)
+        return
+    (CACHE / "ray").mkdir(parents=True, exist_ok=True)
+    ray.init(
+        num_cpus=os.cpu_count(),
+        include_dashboard=False,
+        _temp_dir=str(CACHE / "ray"),
+        runtime_env=env,
+        configure_logging=False,
+    )
+
+
+class EngineActor:
+    """One engine in a Ray worker: a VLLMEngine and its scorer. Ray runs its calls one at a time, in order."""
+
+    def __init__(self, core: int | None):
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+        torch.set_num_threads(1)
+        from rlhf.generation.engine_process import import_ahead
+
+        import_ahead()  # while the trainer imports and loads
+        self.engine = self.scorer = None
+        self.free_since, self.idle, self.reload = time.perf_counter(), 0.0, 0.0
+
+    def build(self, spec) -> tuple[float, str, int]:
+        """(start-up seconds, node IP, pid) once the engine is built."""
+        import ray
+
+        from rlhf.generation.engine_process import build
+
+        self.engine, self.scorer = build(spec, "cuda:0" if spec.device.startswith("cuda") else "cpu")
+        self.free_since = time.perf_counter()
+        return self.engine.start_seconds, ray.util.get_node_ip_address(), os.getpid()
+
+    def load(self, packed: tuple, version: int) -> int:
+        self._busy()
+        self.reload += self.engine.reload(unpack_weights(packed).tensors(), version)
+        self.free_since = time.perf_counter()
+        return version
+
+    def generate(self, work: tuple, first: int) -> tuple:
+        """sample_and_score's tuple, then the seconds idle and reloading since the previous generate."""
+        from rlhf.generation.engine_process import sample_and_score
+
+        self._busy()
+        result = (*sample_and_score(self.engine, self.scorer, work, first), self.idle, self.reload)
+        self.idle = self.reload = 0.0
+        self.free_since = time.perf_counter()
+        return result
+
+    def _busy(self) -> None:
+        self.idle += time.perf_counter() - self.free_since
+
+
+def pack_weights(weights: SharedWeights) -> tuple:
+    """(dtype name -> numpy buffer, layout): numpy has no bfloat16, so those buffers travel as int16."""
+    arrays = {d: (b.view(torch.int16) if b.dtype == torch.bfloat16 else b).numpy() for d, b in weights.buffers.items()}
+    return arrays, weights.layout
+
+
+def unpack_weights(packed: tuple) -> SharedWeights:
+    arrays, layout = packed
+    with warnings.catch_warnings():  # the object store's arrays are read-only; vLLM only copies from them
+        warnings.simplefilter("ignore", UserWarning)
+        return SharedWeights({d: torch.from_numpy(a).view(getattr(torch, d)) for d, a in arrays.items()}, layout)
+
+
+def slices(n: int, engines: int) -> list[tuple[int, int]]:
+    """[start, end) of each engine's prompts: n split into `engines` contiguous slices, sizes differing by <= 1."""
+    bounds = np.cumsum([0] + [n // engines + (e < n % engines) for e in range(engines)])
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def slice_parts(parts: list[int], start: int, end: int) -> list[int]:
+    """The training ranks' parts (prompt counts, in order) cut to prompts [start, end): the sub-parts in it."""
+    edges = np.cumsum([0, *parts])
+    cut = [min(max(e, start), end) for e in edges]
+    return [b - a for a, b in zip(cut[:-1], cut[1:]) if b > a]
+
+
+class RayEngines:
+    """E EngineActors and the calls in flight to them, as the message channel an AsyncEngine drives."""
+
+    def __init__(self, device: str, max_staleness: int, num_engines: int):
+        start_cluster()
+        import ray
+
+        self.device, self.max_staleness, self.num_engines = device, max_staleness, num_engines
+        local = "RAY_ADDRESS" not in os.environ
+        cores = sorted(os.sched_getaffinity(0))
+        resources = dict(num_gpus=1, num_cpus=1) if device.startswith("cuda") else dict(num_cpus=1)
+        actor = ray.remote(max_restarts=0, max_task_retries=0, **resources)(EngineActor)
+        # On the local node each engine gets a core of its own from the last one down, as the engine process does.
+        pin = local and device == "cpu" and len(cores) > 1
+        self.actors = [actor.remote(cores[-1 - e % len(cores)] if pin else None) for e in range(num_engines)]
+        self.where: list[str] = [f"actor {a._actor_id.hex()[:12]}" for a in self.actors]  # node and pid once built
+        self._calls: deque = deque()  # (kind, key, engine index, ObjectRef), oldest first
+        self._parts: dict[tuple, dict[int, object]] = {}  # (kind, key) -> engine index -> value
+        self._done: deque[tuple] = deque()  # messages ready for recv
+        self._failed: RuntimeError | None = None
+        self._cores = set(cores)
+        if pin and num_engines < len(cores):  # the trainer keeps the cores no engine took; restored at close
+            os.sched_setaffinity(0, cores[: len(cores) - num_engines])
+
+    @property
+    def pid(self) -> None:
+        return None  # several processes, possibly on other nodes: `where` names them
+
+    def alive(self) -> bool:
+        return self._failed is None
+
+    def send(self, msg: tuple, timeout: float) -> bool:
+        """Hand the message to every actor now (Ray queues the calls); always True."""
+        kind = msg[0]
+        if kind == "build":
+            self._call("ready", None, [a.build.remote(msg[1]) for a in self.actors])
+        elif kind == "weights":
+            import ray
+
+            packed = ray.put(pack_weights(msg[1]))
+            self._call("ack", msg[2], [a.load.remote(packed, msg[2]) for a in self.actors])
+        elif kind == "generate":
+            _, batch, prompts, params, score, parts = msg
+            cuts = slices(len(prompts), self.num_engines)
+            work = [(batch, prompts[a:b], params, score, slice_parts(parts, a, b)) for a, b in cuts]
+            self._call("result", batch, [act.generate.remote(w, a) for act, w, (a, _) in zip(self.actors, work, cuts)])
+        else:
+            raise ValueError(f"RayEngines: unknown message {kind!r}")
+        return True
+
+    def recv(self, timeout: float) -> tuple | None:
+        """The next complete message (every actor's part of it arrived) within `timeout` seconds, else None."""
+        import ray
+
+        if self._failed is not None:
+            raise self._failed
+        if not self._done and self._calls:
+            refs = [ref for *_, ref in self._calls]
+            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+            if ready:
+                ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+                for call in [c for c in self._calls if c[3] in ready]:
+                    self._calls.remove(call)
+                    self._collect(*call)
+        elif not self._done:
+            time.sleep(timeout)
+        return self._done.popleft() if self._done else None
+
+    def dead(self, what: str) -> RuntimeError:
+        return RuntimeError(f"vLLM engine actors ({', '.join(self.where)}) {what}")
+
+    def close(self, at_once: bool = False) -> None:
+        """Kill the actors (nothing of theirs is kept) and give the trainer its cores back; safe to call twice."""
+        import ray
+
+        if ray.is_initialized():
+            for a in self.actors:
+                ray.kill(a, no_restart=True)
+        self.actors, self._calls = [], deque()
+        os.sched_setaffinity(0, self._cores)
+
+    def _call(self, kind: str, key, refs: list) -> None:
+        self._parts[(kind, key)] = {}
+        self._calls.extend((kind, key, e, ref) for e, ref in enumerate(refs))
+
+    def _collect(self, kind: str, key, engine: int, ref) -> None:
+        import ray
+
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.ActorDiedError as err:  # Ray's text: what happened, then pid and node
+            self._failed = self._actor_error(engine, "died", " ".join(str(err).split()))
+        except ray.exceptions.RayError as err:
+            self._failed = self._actor_error(engine, "failed", err)
+        if self._failed is not None:
+            raise self._failed
+        if kind == "ready":
+            self.where[engine] = f"actor {engine} on node {value[1]}, pid {value[2]}"
+        parts = self._parts[(kind, key)]
+        parts[engine] = value
+        if len(parts) == self.num_engines:
+            del self._parts[(kind, key)]
+            self._done.append(_merge(kind, key, [parts[e] for e in range(self.num_engines)]))
+
+    def _actor_error(self, engine: int, what: str, err) -> RuntimeError:
+        name = self.where[engine] if "node" in self.where[engine] else f"actor {engine} ({self.where[engine]})"
+        return RuntimeError(f"vLLM engine {name} of {self.num_engines} {what}: {err}")
+
+
+def _merge(kind: str, key, values: list) -> tuple:
+    """One message from every engine's part of it, in engine (= prompt) order."""
+    if kind == "ready":
+        return ("ready", max(v[0] for v in values))
+    if kind == "ack":
+        return ("ack", key)
+    responses, logprobs, scores, refs, prompts, versions, seconds, scoring, idle, reload = zip(*values)
+    if len(set(versions)) != 1:  # every actor loads every version before the batches after it
+        raise RuntimeError(f"batch {key}: the engines sampled it with different weight versions {versions}")
+
+    def cat(arrays):
+        return None if arrays[0] is None else np.concatenate(arrays)
+
+    prompts = [p for part in prompts for p in part]
+    timing = (max(seconds), max(scoring), min(idle), max(reload))
+    return ("result", key, cat(responses), cat(logprobs), cat(scores), cat(refs), prompts, versions[0], *timing)
