@@ -20,7 +20,7 @@ VLLM ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # pip's download cache too stays inside the project (nothing lands in the user's home).
 export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
 
-.PHONY: setup run plots test lint gpu-smoke serve chromium clean-venv
+.PHONY: setup run plots test lint gpu-smoke serve deploy worker chromium clean-venv
 
 setup: $(STAMP) $(PLOTS_PAGE)
 
@@ -67,6 +67,15 @@ chromium:
 #   export PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api; prefect deployment run rlhf/ppo --watch
 serve: $(STAMP)
 	$(ENV) python -m flows.deployments --port $(PREFECT_PORT)
+
+# Past one machine (prefect.yaml, docs/prefect.md): register the deployments on the process work pool `rlhf` of the
+# server PREFECT_API_URL names, then run `make worker` on every machine that should take runs (its checkout, set up).
+deploy: $(STAMP)
+	$(ENV) prefect work-pool create rlhf --type process 2>/dev/null || true
+	$(ENV) prefect --no-prompt deploy --all
+
+worker: $(STAMP)
+	RLHF_PROJECT_DIR=$(CURDIR) $(ENV) prefect worker start --pool rlhf
 
 clean-venv:
 	rm -rf $(VENV)

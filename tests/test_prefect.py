@@ -534,6 +534,48 @@ def test_ui_lists_the_deployments_in_chromium(served, home):
     assert (home / "deployments.png").stat().st_size > 10_000
 
 
+def test_prefect_yaml_declares_the_served_deployments_on_a_process_pool():
+    """prefect.yaml (workers on other machines) and `make serve` offer the same rlhf/<trainer> deployments."""
+    from flows.deployments import deployments
+
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    declared = {d["name"]: d for d in spec["deployments"]}
+    served = {d.name: d.parameters for d in deployments()}
+    assert {n: d["parameters"] for n, d in declared.items() if n != "ci"} == served
+    assert declared["ci"]["parameters"] == {"trainer": "online_dpo", "profile": "ci"}
+    assert all(d["work_pool"]["name"] == "rlhf" and d["entrypoint"] == "flows.rlhf_flow.rlhf" for d in declared.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, repo, tmp_path):
+    """prefect.yaml's way: a process work pool, `prefect deploy`, and a worker (on loopback here, on any machine with
+    the project checked out in general) that picks up the run and takes it to completion in its own checkout."""
+    env = {**served["env"], "RLHF_PROJECT_DIR": str(repo)}  # what `make worker` sets: the worker's checkout
+    shutil.copy(ROOT / "prefect.yaml", tmp_path / "prefect.yaml")
+    run_ok(["prefect", "work-pool", "create", "rlhf", "--type", "process"], tmp_path, env)
+    run_ok(["prefect", "--no-prompt", "deploy", "--name", "ci"], tmp_path, env, timeout=120)
+    run_ok(["prefect", "deployment", "run", "rlhf/ci"], tmp_path, env)
+    t0 = time.monotonic()
+    worker = subprocess.run(
+        ["prefect", "worker", "start", "--pool", "rlhf", "--run-once"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print(f"rlhf/ci through the worker: {time.monotonic() - t0:.1f} s")
+    [run] = _api(served["api_url"], "/flow_runs/filter", {"work_pools": {"name": {"any_": ["rlhf"]}}})
+    if worker.returncode != 0 or run["state_type"] != "COMPLETED":
+        logs = _api(served["api_url"], "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}})
+        pytest.fail(worker.stdout[-2000:] + worker.stderr[-2000:] + "\n".join(e["message"] for e in logs)[-4000:])
+    assert run["parameters"] == {"trainer": "online_dpo", "profile": "ci"}
+    shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
+    names = {rev["name"] for b in shown for e in (b.get("experiments") or []) for rev in e["revs"]}
+    assert f"online-dpo-{run['name']}" in names  # the run's results are an experiment of the worker's project
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_ctrl_c_stops_runner_then_server(served):

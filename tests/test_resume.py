@@ -57,15 +57,21 @@ def results(data_dir):
     return json.loads((data_dir / "metrics" / "train.json").read_text()), rows, weights
 
 
-@pytest.mark.parametrize("trainer", ["online_dpo", "online_dpo_vllm"])  # sync HF engine; async vLLM engine, N=1
-def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_path, trainer):
+# sync HF engine; async vLLM engine, N=1, as two Ray actors (the engine process: the two-rank test below)
+@pytest.mark.parametrize(
+    "trainer, extra",
+    [("online_dpo", ()), ("online_dpo_vllm", ("train.engine_backend=ray", "train.num_engines=2"))],
+    ids=["online_dpo", "online_dpo_vllm-ray2"],
+)
+def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_path, trainer, extra):
     crashed = tmp_path / "crashed"
     shutil.copytree(ci_data, crashed)
-    done = run_stage(ci_data, trainer)
+    done = run_stage(ci_data, trainer, extra=extra)
     assert done.returncode == 0, done.stderr[-3000:]
     assert not any((ci_data / "checkpoints").iterdir())  # a finished run removes its resume points
 
-    first = run_stage(crashed, trainer, crash="after_update:1")  # batch 1 trained, only batch 0's checkpoint saved
+    # batch 1 trained, only batch 0's checkpoint saved
+    first = run_stage(crashed, trainer, crash="after_update:1", extra=extra)
     assert killed(first, 1), first.stderr[-3000:]
     [ckpt_dir] = (crashed / "checkpoints").iterdir()
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000001", "frontier"]  # + the policy after batch 0
@@ -79,7 +85,8 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
         "metric_rows.json",
         "trainer_state.json",
     } <= saved
-    second = run_stage(crashed, trainer, crash="checkpoint_write:3")  # killed writing the checkpoint after 3 batches
+    # killed writing the checkpoint after 3 batches
+    second = run_stage(crashed, trainer, crash="checkpoint_write:3", extra=extra)
     assert killed(second, 1), second.stderr[-3000:]
     assert "resumed from" in second.stdout + second.stderr
     [torn] = ckpt_dir.glob(".tmp-batch-000003-*")  # named with the pid of the run writing it
@@ -87,7 +94,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
     if trainer == "online_dpo_vllm":  # the weights of the batch the engine was sampling ahead are kept
         assert (ckpt_dir / "batch-000002" / "engine" / "v000001" / "model.safetensors").is_file()
 
-    last = run_stage(crashed, trainer)
+    last = run_stage(crashed, trainer, extra=extra)
     assert last.returncode == 0, last.stderr[-3000:]
     assert "batch-000002 (batch 2)" in last.stdout + last.stderr  # the torn batch-3 checkpoint was never loaded
     assert results(crashed) == results(ci_data)
