@@ -1,6 +1,8 @@
-"""Online DPO on the same episodes: sync HF generate, vLLM colocated, vLLM asynchronous (N=1), and async with 2
-training processes sharing the engine (accelerate launch, ZeRO-2; on a 2-core CPU box 3 processes share 2 cores,
-so it is slower than 1 rank: the row shows that the paper's layout runs and where its time goes).
+"""Online DPO on the same episodes: sync HF generate, vLLM colocated, vLLM asynchronous (N=1) in an engine process,
+the same as E = 1 and E = 2 Ray actors (train.engine_backend: ray; the Ray overhead is E = 1 against the engine
+process, in the same invocation), and async with 2 training processes sharing the engine (accelerate launch, ZeRO-2;
+on a 2-core CPU box 3 processes share 2 cores, so it is slower than 1 rank: the row shows that the paper's layout runs
+and where its time goes).
 
 Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`). Usage:
     .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [--seeds 3] [--runs a,b]
@@ -29,9 +31,18 @@ import torch
 from common import column_sum, scratch_data  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = {"sync_hf": "online_dpo", "vllm_colocated": "online_dpo_single_vllm", "vllm_async": "online_dpo_vllm"}
+RAY = ("train.engine_backend=ray",)
+# run name -> (train.trainer, settings)
+RUNS = {
+    "sync_hf": ("online_dpo", ()),
+    "vllm_colocated": ("online_dpo_single_vllm", ()),
+    "vllm_async": ("online_dpo_vllm", ()),
+    "vllm_async_ray1": ("online_dpo_vllm", (*RAY, "train.num_engines=1")),
+    "vllm_async_ray2": ("online_dpo_vllm", (*RAY, "train.num_engines=2")),
+}
 FIRST_SEED_ONLY = {"vllm_colocated", "vllm_async_2ranks"}  # unless the colocated run is the sync baseline
-TWO_RANKS = {"vllm_async_2ranks": "online_dpo_vllm"}  # under accelerate launch --num_processes 2
+FIRST_SEED_ONLY |= {"vllm_async_ray1", "vllm_async_ray2"}
+TWO_RANKS = {"vllm_async_2ranks": ("online_dpo_vllm", ())}  # under accelerate launch --num_processes 2
 # train.csv's timing/* columns summed over the run; wait: the learner waiting for the engine (async only);
 # scoring_engine: scores and reference log-probs computed in the engine process (overlapped)
 BREAKDOWN = ("scoring", "reference", "update", "weight_sync", "wait", "scoring_engine", "engine_idle")
@@ -91,9 +102,10 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
     from rlhf.config import load_config
 
     results = {}
-    for name, trainer in runs.items():
+    for name, (trainer, extra) in runs.items():
         data = scratch_data(ROOT / "bench" / "out" / name / "data")
         settings = [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", f"seed={seed}"]
+        settings += extra
         cfg = load_config(ROOT / "params.yaml", args.profile, [*settings, *args.overrides])
         settings += args.overrides
         wall, rows = stage_train(cfg, settings, args.profile, processes=2 if name in TWO_RANKS else 1)
@@ -165,6 +177,15 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
         colocated = results["vllm_colocated"]["loop_seconds"]
         summary["speedup_colocated_vs_sync"] = sync["loop_seconds"] / colocated
         summary["speedup_async_vs_colocated"] = colocated / results["vllm_async"]["loop_seconds"]
+    for e in (1, 2):  # Ray actors against the engine process; E = 2 against E = 1
+        if f"vllm_async_ray{e}" in results:
+            ray = results[f"vllm_async_ray{e}"]
+            summary[f"ray{e}_loop_vs_process"] = ray["loop_seconds"] / results["vllm_async"]["loop_seconds"]
+            summary[f"ray{e}_wall_vs_process"] = ray["wall_seconds"] / results["vllm_async"]["wall_seconds"]
+    if {"vllm_async_ray1", "vllm_async_ray2"} <= set(results):
+        summary["speedup_ray2_vs_ray1"] = (
+            results["vllm_async_ray1"]["loop_seconds"] / results["vllm_async_ray2"]["loop_seconds"]
+        )
     if "vllm_async_2ranks" in results:
         two = results["vllm_async_2ranks"]["loop_seconds"]
         summary["speedup_async_2ranks_vs_1rank"] = results["vllm_async"]["loop_seconds"] / two

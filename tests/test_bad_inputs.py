@@ -231,6 +231,20 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
         assert "Traceback" not in serve.stderr and "validation error" not in serve.stderr
 
 
+def test_a_ray_address_nothing_answers_is_one_line_naming_it(ci_data):
+    """RAY_ADDRESS names a cluster to join; where none answers the run stops in seconds (ray.init retries for
+    minutes), before training writes anything."""
+    port = free_port()  # nothing listens there
+    proc = run_cli(
+        "--profile", "ci", "train", f"data_dir={ci_data}", "train.trainer=online_dpo_vllm",
+        "train.engine_backend=ray", env={**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    [line] = [x for x in proc.stderr.strip().splitlines() if x.startswith("rlhf train: error:")]
+    assert f"RAY_ADDRESS=127.0.0.1:{port}: no Ray cluster answers there" in line
+    assert "Traceback" not in proc.stderr and not (ci_data / "train" / "policy").exists()
+
+
 def test_wandb_online_without_a_key_is_one_line(ci_data, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path / "wandb"), WANDB_CONFIG_DIR=str(tmp_path / "config"))

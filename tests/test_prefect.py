@@ -543,7 +543,9 @@ def test_prefect_yaml_declares_the_served_deployments_on_a_process_pool():
     served = {d.name: d.parameters for d in deployments()}
     assert {n: d["parameters"] for n, d in declared.items() if n != "ci"} == served
     assert declared["ci"]["parameters"] == {"trainer": "online_dpo", "profile": "ci"}
-    assert all(d["work_pool"]["name"] == "rlhf" and d["entrypoint"] == "flows.rlhf_flow.rlhf" for d in declared.values())
+    assert all(
+        d["work_pool"]["name"] == "rlhf" and d["entrypoint"] == "flows.rlhf_flow.rlhf" for d in declared.values()
+    )
 
 
 @pytest.mark.slow

@@ -23,11 +23,17 @@ class Placement:
     gpu_memory_utilization: float | None
 
 
-def placement(name: str, setting: str, memory: float | None, world: int, learner_device: torch.device) -> Placement:
+def placement(
+    name: str, setting: str, memory: float | None, world: int, learner_device: torch.device, backend: str = "process"
+) -> Placement:
     """train.engine_device `setting` resolved for engine `name` beside `world` training processes, rank 0 on
-    `learner_device` (train.engine_gpu_memory_utilization `memory`: None = by whether the GPU is shared)."""
+    `learner_device` (train.engine_gpu_memory_utilization `memory`: None = by whether the GPU is shared). With the
+    Ray backend Ray picks the GPU (one of its own: "cuda:0" as the actor sees it) or the CPU."""
     # vLLM runs on a GPU or the CPU: rank 0's GPU, or the CPU for any other training device
     learner = f"cuda:{learner_device.index or 0}" if learner_device.type == "cuda" else "cpu"
+    if backend == "ray":
+        gpu = setting.startswith("cuda") or (setting == "auto" and learner != "cpu")
+        return Placement("cuda:0", True, memory or OWN_GPU_MEMORY) if gpu else Placement("cpu", True, None)
     if setting == "auto" and name == "vllm_async" and torch.cuda.device_count() > world:
         device = f"cuda:{world}"  # the paper's layout: W training GPUs and the next one for generation
     elif setting == "auto":

@@ -24,6 +24,7 @@ weights still travel through host memory, where an NCCL broadcast from the learn
 from __future__ import annotations
 
 import os
+import socket
 import time
 import warnings
 from collections import deque
@@ -48,6 +49,7 @@ def start_cluster() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
     env = {"env_vars": {k: os.environ[k] for k in OFFLINE_ENV if k in os.environ}}
     if "RAY_ADDRESS" in os.environ:
+        _check_reachable(os.environ["RAY_ADDRESS"])
         ray.init(runtime_env=env, configure_logging=False)
         return
     (CACHE / "ray").mkdir(parents=True, exist_ok=True)
@@ -58,6 +60,20 @@ def start_cluster() -> None:
         runtime_env=env,
         configure_logging=False,
     )
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A RAY_ADDRESS host:port that nothing answers fails here in seconds (ray.init would retry for minutes)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if address == "auto" or not port.isdigit():
+        return  # Ray's own forms ("auto": the cluster started on this node): Ray resolves and reports them
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as err:
+        raise ConnectionError(
+            f"RAY_ADDRESS={address}: no Ray cluster answers there ({err.strerror or err}); start one "
+            "(`ray start --head`, docs/scale-out.md) or unset RAY_ADDRESS for a local cluster"
+        ) from None
 
 
 class EngineActor:

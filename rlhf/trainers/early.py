@@ -30,7 +30,8 @@ def own_process_engine(cfg: Config) -> tuple[str, Placement, torch.device] | Non
     if name == "hf":
         return None
     rank, world, device = launch()
-    where = placement(name, cfg.train.engine_device, cfg.train.engine_gpu_memory_utilization, world, device)
+    c = cfg.train
+    where = placement(name, c.engine_device, c.engine_gpu_memory_utilization, world, device, c.engine_backend)
     return (name, where, device) if rank == 0 and where.own_process else None
 
 

@@ -233,7 +233,9 @@ def _setup_engine(cfg: Config, name: str, early, policy, tokenizer, prompts, rew
     c, world = cfg.train, acc.num_processes
     if name == "hf" or world == 1:
         where = (
-            None if name == "hf" else placement(name, c.engine_device, c.engine_gpu_memory_utilization, 1, acc.device)
+            None
+            if name == "hf"
+            else placement(name, c.engine_device, c.engine_gpu_memory_utilization, 1, acc.device, c.engine_backend)
         )
         return early or _make_engine(cfg, name, policy, tokenizer, prompts, reward, acc.device, where)
     engine = early if acc.process_index == 0 else None
