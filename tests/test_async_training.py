@@ -33,7 +33,7 @@ RAY2 = ["train.engine_backend=ray", "train.num_engines=2"]  # two engines as Ray
 
 
 # online_dpo with N = 1: test_engine_side_scoring_gives_the_learners_scores (two such runs) checks it, and
-# test_ray_engines_train_reproducibly_within_staleness with two Ray engines.
+# tests/test_resume.py with two Ray engines.
 @pytest.mark.parametrize(
     "trainer, staleness, backend",
     [("online_dpo", 2, []), ("rloo", 1, RAY2), ("rloo", 2, []), ("ppo", 1, []), ("ppo", 2, [])],
@@ -192,25 +192,6 @@ def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
     assert re.search(r"The first batch waited [\d.]+ s: the engine's start-up", page)
     assert re.search(r"the engine worked [\d.]+ s .* waited [\d.]+ s for batches: (-?\d+%|all) of the engine's", page)
     assert page.count("<img") == 3  # over episodes, step phases, timeline (no evaluate run: no frontier)
-
-
-def test_ray_engines_train_reproducibly_within_staleness(ci_data, tmp_path):
-    """online DPO, N = 1, on two engines that are Ray actors (a local cluster on loopback): every batch within the
-    staleness bound, and a second run gives the same numbers (the engines seed each prompt as one engine would,
-    so a run is reproducible for a fixed number of engines)."""
-    import shutil
-
-    other = tmp_path / "again"
-    shutil.copytree(ci_data, other, symlinks=True)
-    for data in (ci_data, other):
-        train(ci_config(data, "train.trainer=online_dpo_vllm", "train.total_episodes=24", *RAY2))
-    first, second = rows(ci_data), rows(other)
-    for logged in (first, second):
-        assert [float(r["async/staleness"]) for r in logged] == [0.0, 1.0, 1.0]
-        assert all(float(r["timing/scoring_engine"]) > 0 for r in logged)  # auto = always with several engines
-    for key in ("objective/scores", "objective/kl", "objective/gold", "loss/policy"):
-        assert [r[key] for r in first] == [r[key] for r in second], key
-    assert results(ci_data) == results(other)
 
 
 def test_the_early_start_module_imports_no_trainer_code():

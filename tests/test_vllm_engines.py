@@ -14,6 +14,7 @@ one pytest-xdist worker in file order (`xdist_group`; `make test` uses `--dist l
 from __future__ import annotations
 
 import copy
+import ipaddress
 import os
 import signal
 import time
@@ -393,6 +394,28 @@ def test_async_killed_engine_raises_within_seconds(policy, async2):
         async2.submit(prompt_ids(tok, ["the"]), params)
     async2.close()
     async2.close()
+
+
+def test_the_local_ray_cluster_listens_on_loopback_only(ray2):
+    """No RAY_ADDRESS: the cluster the engines started binds 127.0.0.1 only (Ray alone would bind every interface)."""
+    import psutil
+
+    def is_ray(proc) -> bool:
+        name = proc.info["name"] or ""
+        return name in ("raylet", "gcs_server") or name.startswith("ray::") or proc.pid == os.getpid()
+
+    listening = []
+    for proc in filter(is_ray, psutil.process_iter(["name"])):
+        try:
+            listening += [c.laddr for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    assert len(listening) >= 4, listening  # GCS, raylet, the engines' and this driver's workers at least
+    def loopback(ip: str) -> bool:
+        address = ipaddress.ip_address(ip)
+        return (getattr(address, "ipv4_mapped", None) or address).is_loopback  # ::ffff:127.0.0.1 is loopback too
+
+    assert all(loopback(addr.ip) for addr in listening), listening
 
 
 def test_killed_ray_engine_actor_raises_naming_it(policy, ray2):

@@ -286,7 +286,7 @@ class AsyncEngine:
             while math.isnan(self.start_seconds):
                 msg = self._next_message(timeout=max(0.0, self._start_deadline - time.monotonic()))
                 if msg is None:
-                    raise RuntimeError(f"vLLM engine (pid {self._process.pid}) did not start in time")
+                    raise self._process.dead("did not start in time")
                 self._handle(msg)
         except BaseException:
             self.close()
