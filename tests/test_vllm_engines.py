@@ -411,6 +411,7 @@ def test_the_local_ray_cluster_listens_on_loopback_only(ray2):
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     assert len(listening) >= 4, listening  # GCS, raylet, the engines' and this driver's workers at least
+
     def loopback(ip: str) -> bool:
         address = ipaddress.ip_address(ip)
         return (getattr(address, "ipv4_mapped", None) or address).is_loopback  # ::ffff:127.0.0.1 is loopback too
