@@ -2,7 +2,8 @@
 
 The `ci` profile end to end on CUDA: the data stages, every trainer preset with each engine, bf16 mixed precision,
 gradient checkpointing, LoRA (alone and under ZeRO-3), ZeRO-2/3 and DDP on two GPUs when there are two, the async
-engine on a GPU of its own (2 GPUs) and one engine shared by two training processes (3 GPUs), then generate and
+engine on a GPU of its own (2 GPUs), as one and two Ray actors (2 and 3 GPUs), and one engine shared by two training
+processes (3 GPUs), then generate and
 evaluate. One line per check (ok / FAIL, seconds, the last error line), a summary, and a non-zero exit if anything
 failed. With no CUDA device it says so and exits 2, checking nothing. Outputs go to .cache/gpu-smoke (removed at
 the end).
@@ -86,6 +87,10 @@ def _engine_layouts(cli: list[str], common: list[str], gpus: int) -> list[tuple[
     if gpus >= 2:
         dpo = ["train", "--trainer", "online_dpo_vllm", *common]
         out.append(("train async, engine on cuda:1", [*cli, *dpo, "train.engine_device=cuda:1"]))
+        ray = [*dpo, "train.engine_backend=ray"]  # a local Ray cluster given the GPUs after the learner's
+        out.append(("train async, 1 Ray engine on a GPU", [*cli, *ray]))
+        if gpus >= 3:
+            out.append(("train async, 2 Ray engines on 2 GPUs", [*cli, *ray, "train.num_engines=2"]))
     if gpus >= 3:
         launch = [*PYTHON, "accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml")]
         rlhf = ["--num_processes", "2", "-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci"]

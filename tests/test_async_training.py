@@ -144,9 +144,11 @@ def test_engine_placement_follows_the_papers_layout(monkeypatch):
     assert placement("vllm_async", "auto", None, 4, gpu0) == Placement("cuda:0", True, 0.3)  # no spare GPU
     assert placement("vllm_async", "cuda:2", 0.5, 2, gpu0) == Placement("cuda:2", True, 0.5)
     assert placement("vllm", "cuda", None, 1, gpu0) == Placement("cuda:0", False, 0.3)
-    # Ray engines: a GPU Ray gives each actor for itself (its cuda:0), whatever the training ranks hold; or the CPU
-    assert placement("vllm_async", "auto", None, 4, gpu0, "ray") == Placement("cuda:0", True, 0.9)
-    assert placement("vllm_async", "cuda:2", 0.5, 1, gpu0, "ray") == Placement("cuda:0", True, 0.5)
+    # Ray engines: a GPU Ray gives each actor (its cuda:0), from those after the training ranks' on this node; or the
+    # CPU. With no spare GPU the local cluster offers rank 0's, shared.
+    assert placement("vllm_async", "auto", None, 2, gpu0, "ray") == Placement("cuda:0", True, 0.9, (2, 3))
+    assert placement("vllm_async", "auto", None, 4, gpu0, "ray") == Placement("cuda:0", True, 0.3, (0,))
+    assert placement("vllm_async", "cuda:2", 0.5, 1, gpu0, "ray") == Placement("cuda:0", True, 0.5, (1, 2, 3))
     assert placement("vllm_async", "cpu", None, 1, gpu0, "ray") == Placement("cpu", True, None)
     assert placement("vllm_async", "auto", None, 1, cpu, "ray") == Placement("cpu", True, None)
 

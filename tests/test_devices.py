@@ -2,6 +2,8 @@
 every tensor entering a model, a loss or a reward must already be on it. A CPU run can't tell; these can: a
 tensor left on the CPU next to a model on the device stops the run, naming the op and the line."""
 
+import os
+
 import pandas as pd
 import pytest
 import torch
@@ -114,3 +116,25 @@ def test_the_async_engine_scores_and_computes_the_reference_on_its_device(ci_dat
     with training_device_elsewhere() as device:
         scores, refs = Scorer(spec, device)(prompts, responses, SamplingParams(2, 6, 0.7), parts=[1, 1])
     assert scores.shape == (4,) and refs.shape == (4, 6)
+
+
+def test_a_local_ray_cluster_hands_engines_only_the_gpus_after_the_training_ranks(tmp_path):
+    """Ray engines on GPUs (reasoned, no GPU here): the local cluster gets the spare GPUs of this node as Ray GPU
+    resources, under the user's own CUDA_VISIBLE_DEVICES numbering, and this process keeps its view. Ray only
+    counts GPUs, so a CPU box shows what an engine actor would be given."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "ray_gpus.py"
+    script.write_text(
+        "import os\n"
+        "import ray\n"
+        "from rlhf.generation.ray_engines import start_cluster\n"
+        "start_cluster(gpus=(1, 2))  # 1 training rank on the first visible GPU: the engines get the next two\n"
+        "seen = ray.remote(num_gpus=1, num_cpus=0)(lambda: os.environ['CUDA_VISIBLE_DEVICES'])\n"
+        "print(sorted(ray.get([seen.remote(), seen.remote()])), os.environ['CUDA_VISIBLE_DEVICES'])\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "['5', '6'] 4,5,6"  # physical GPUs 5 and 6; rank 0 keeps 4

@@ -149,16 +149,16 @@ class EngineProcess:
         return RuntimeError(f"vLLM engine process (pid {self.proc.pid}, {how}) {what}")
 
 
-def start_engine(device: str, max_staleness: int, backend: str = "process", num_engines: int = 1):
-    """The channel to an async engine, starting now: its own process (EngineProcess), or `num_engines` Ray actors
-    (rlhf.generation.ray_engines.RayEngines). device: the engine's (EngineSpec.device)."""
+def start_engine(where, max_staleness: int, backend: str = "process", num_engines: int = 1):
+    """The channel to an async engine placed as `where` says (factory.Placement), starting now: its own process
+    (EngineProcess), or `num_engines` Ray actors (rlhf.generation.ray_engines.RayEngines)."""
     if backend == "ray":
         from rlhf.generation.ray_engines import RayEngines
 
-        return RayEngines(device, max_staleness, num_engines)
+        return RayEngines(where.device, max_staleness, num_engines, where.ray_gpus)
     if backend != "process" or num_engines != 1:
         raise ValueError(f"an engine process is one engine (backend process), got {num_engines} on {backend!r}")
-    return EngineProcess(device, max_staleness)
+    return EngineProcess(where.device, max_staleness)
 
 
 class AsyncEngine:

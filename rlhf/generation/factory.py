@@ -16,11 +16,13 @@ OWN_GPU_MEMORY, SHARED_GPU_MEMORY = 0.9, 0.3  # vLLM's share of a GPU it has to 
 class Placement:
     """Where a vLLM engine runs. device: "cpu" or "cuda:<i>"; own_process: in a process of its own (vllm_async,
     or colocated beside several training processes, or on another device than training); gpu_memory_utilization:
-    vLLM's share of the GPU (None on CPU)."""
+    vLLM's share of the GPU (None on CPU); ray_gpus: Ray engines on GPUs, the GPUs of this node a local Ray cluster
+    may give them (those after the training ranks'; rank 0's when there is none other)."""
 
     device: str
     own_process: bool
     gpu_memory_utilization: float | None
+    ray_gpus: tuple[int, ...] | None = None
 
 
 def placement(
@@ -32,8 +34,11 @@ def placement(
     # vLLM runs on a GPU or the CPU: rank 0's GPU, or the CPU for any other training device
     learner = f"cuda:{learner_device.index or 0}" if learner_device.type == "cuda" else "cpu"
     if backend == "ray":
-        gpu = setting.startswith("cuda") or (setting == "auto" and learner != "cpu")
-        return Placement("cuda:0", True, memory or OWN_GPU_MEMORY) if gpu else Placement("cpu", True, None)
+        if not (setting.startswith("cuda") or (setting == "auto" and learner != "cpu")):
+            return Placement("cpu", True, None)
+        spare = tuple(range(world, torch.cuda.device_count())) or (0,)  # the training ranks hold cuda:0 .. W-1
+        shared = spare == (0,) and world > 0 and learner != "cpu"
+        return Placement("cuda:0", True, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY), spare)
     if setting == "auto" and name == "vllm_async" and torch.cuda.device_count() > world:
         device = f"cuda:{world}"  # the paper's layout: W training GPUs and the next one for generation
     elif setting == "auto":
@@ -110,7 +115,7 @@ def make_engine(
     if process is None and where.own_process:
         from rlhf.generation.async_engine import start_engine
 
-        process = start_engine(where.device, ahead, backend, num_engines)
+        process = start_engine(where, ahead, backend, num_engines)
     return _vllm_engine(model_folder, common, where, ahead, work_dir, scoring, score, process)
 
 

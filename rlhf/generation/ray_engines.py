@@ -36,8 +36,9 @@ from rlhf.generation.weights import SharedWeights
 from rlhf.runtime import CACHE, OFFLINE_ENV
 
 
-def start_cluster() -> None:
-    """Join RAY_ADDRESS's cluster, or start a local one on loopback; nothing when Ray is already initialised."""
+def start_cluster(gpus: tuple[int, ...] | None = None) -> None:
+    """Join RAY_ADDRESS's cluster, or start a local one on loopback; nothing when Ray is already initialised.
+    gpus: the GPUs of this node (as this process numbers them) a local cluster may hand to engines; None = none."""
     import ray
     from ray._private import ray_constants
 
@@ -53,13 +54,26 @@ def start_cluster() -> None:
         ray.init(runtime_env=env, configure_logging=False)
         return
     (CACHE / "ray").mkdir(parents=True, exist_ok=True)
-    ray.init(
-        num_cpus=os.cpu_count(),
-        include_dashboard=False,
-        _temp_dir=str(CACHE / "ray"),
-        runtime_env=env,
-        configure_logging=False,
-    )
+    # The cluster's processes see only the engines' GPUs (not the training ranks'): Ray hands those out. This
+    # process keeps its own view: CUDA reads the variable once, when it starts, and the trainer's comes later.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus is not None:
+        ids = visible.split(",") if visible else [str(g) for g in range(max(gpus) + 1)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[g] for g in gpus)
+    try:
+        ray.init(
+            num_cpus=os.cpu_count(),
+            num_gpus=len(gpus or ()),
+            include_dashboard=False,
+            _temp_dir=str(CACHE / "ray"),
+            runtime_env=env,
+            configure_logging=False,
+        )
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -148,8 +162,9 @@ def slice_parts(parts: list[int], start: int, end: int) -> list[int]:
 class RayEngines:
     """E EngineActors and the calls in flight to them, as the message channel an AsyncEngine drives."""
 
-    def __init__(self, device: str, max_staleness: int, num_engines: int):
-        start_cluster()
+    def __init__(self, device: str, max_staleness: int, num_engines: int, gpus: tuple[int, ...] | None = None):
+        """device: "cpu" or "cuda:0" (each actor's own GPU); gpus: see start_cluster."""
+        start_cluster(gpus if device.startswith("cuda") else None)
         import ray
 
         self.device, self.max_staleness, self.num_engines = device, max_staleness, num_engines

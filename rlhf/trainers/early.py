@@ -45,4 +45,4 @@ def start_engine_process(cfg: Config):
 
     name, where, _ = found
     c = cfg.train
-    return start_engine(where.device, lookahead(name, c.max_staleness), c.engine_backend, c.num_engines)
+    return start_engine(where, lookahead(name, c.max_staleness), c.engine_backend, c.num_engines)
