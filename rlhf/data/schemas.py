@@ -13,6 +13,7 @@ Tables and who writes them:
     PreferencePairs sampled pairs labelled by the gold judge           stage reward
     Generations     policy samples on eval prompts                     stage generate
     EvalResults     gold / proxy / KL per evaluated sample             stage evaluate
+    MathProblems    arithmetic word problems with their answers        rlhf.data.math
 """
 
 from __future__ import annotations
@@ -113,6 +114,15 @@ class EvalResults(_Strict):
     gold: Series[float] = _probability()
     proxy: Series[float] = _finite()
     kl: Series[float] = _finite()
+
+
+class MathProblems(_Strict):
+    """A word problem and its answer: a decimal number as text (rlhf.rewards.rule reads it), difficulty 1-3."""
+
+    prompt_id: Series[int] = pa.Field(unique=True, ge=0)
+    prompt: Series[str] = _text()
+    answer: Series[str] = pa.Field(str_matches=r"^-?\d+(\.\d+)?$")
+    difficulty: Series[int] = pa.Field(isin=[1, 2, 3])
 
 
 def _summary(err: pa.errors.SchemaErrors) -> str:
