@@ -32,12 +32,12 @@ def rows(data_dir):
 RAY2 = ["train.engine_backend=ray", "train.num_engines=2"]  # two engines as Ray actors, each half of every batch
 
 
-# online_dpo with N = 1: test_engine_side_scoring_gives_the_learners_scores (two such runs) checks it, and
-# tests/test_resume.py with two Ray engines.
+# online_dpo with N = 1 on the engine process: test_engine_side_scoring_gives_the_learners_scores (two such runs);
+# N = 2 on it: tests/test_vllm_engines.py (the protocol) and rloo-2, ppo-2 here.
 @pytest.mark.parametrize(
     "trainer, staleness, backend",
-    [("online_dpo", 2, []), ("rloo", 1, RAY2), ("rloo", 2, []), ("ppo", 1, []), ("ppo", 2, [])],
-    ids=["online_dpo-2", "rloo-1-ray2", "rloo-2", "ppo-1", "ppo-2"],
+    [("online_dpo", 1, RAY2), ("rloo", 1, RAY2), ("rloo", 2, []), ("ppo", 1, []), ("ppo", 2, [])],
+    ids=["online_dpo-1-ray2", "rloo-1-ray2", "rloo-2", "ppo-1", "ppo-2"],
 )
 def test_async_engine_keeps_every_batch_within_max_staleness(ci_data, trainer, staleness, backend):
     tis = [] if trainer == "online_dpo" else ["train.tis_cap=2.0"]  # truncated IS for the policy-gradient ones
@@ -61,6 +61,8 @@ def test_async_engine_keeps_every_batch_within_max_staleness(ci_data, trainer, s
     # batch t is sampled before batch t-N is trained on: staleness min(t, N), never more than N
     assert stale == [min(t, staleness) for t in range(4)]
     assert all(float(r["timing/wait"]) >= 0 for r in logged)
+    if backend:  # several Ray engines score their slices of every batch (score_in_engine auto = always)
+        assert all(float(r["timing/scoring_engine"]) > 0 for r in logged)
 
 
 def test_colocated_vllm_preset_generates_with_current_weights(ci_data):
