@@ -23,7 +23,8 @@ def prompts_for(tokenizer, questions: list[str], chat: bool) -> list[list[int]]:
     """Token ids: the tokenizer's chat template around the question (a user turn), or the raw question."""
     if chat:
         turns = [[{"role": "user", "content": f"{q} {INSTRUCTION}"}] for q in questions]
-        return [tokenizer.apply_chat_template(t, add_generation_prompt=True, tokenize=True) for t in turns]
+        template = dict(add_generation_prompt=True, tokenize=True, return_dict=False)
+        return [tokenizer.apply_chat_template(t, **template) for t in turns]
     return tokenizer([f"Question: {q} {INSTRUCTION}\nAnswer:" for q in questions])["input_ids"]
 
 
