@@ -162,7 +162,8 @@ def start_engine(where, max_staleness: int, backend: str = "process", num_engine
 
 
 class AsyncEngine:
-    """The Engine protocol over a VLLMEngine in its own process; lookahead = max_staleness (N >= 0)."""
+    """The Engine protocol over a VLLMEngine in its own process (or E of them as Ray actors: the channel decides);
+    lookahead = max_staleness (N >= 0)."""
 
     def __init__(
         self,
@@ -171,7 +172,7 @@ class AsyncEngine:
         max_staleness: int,
         score: str = "always",
         start_timeout: float = 600.0,
-        process: EngineProcess | None = None,
+        process=None,
     ):
         """spec: the engine to build (rlhf.generation.engine_process); work_dir: where checkpoints' copies of the
         weights in flight are written; process: its channel (start_engine), started earlier for this spec's device
