@@ -2,11 +2,12 @@
 
 Usage:
     .venv/bin/python -m rlhf.runtime python bench/weight_sync.py [--episodes 48] [--label after] [key=value ...]
-Runs online DPO with the colocated engine (online_dpo_single_vllm) and the async one (online_dpo_vllm) on the
-`smollm2` profile (data built once under .cache/bench/smollm2-data, see common.smollm2_data) and prints, per
-engine, the mean seconds per generated batch of the step and of the weight sync on the learner's critical path
-(`timing/weight_sync`, the loop's step 8: colocated = gather + reload into vLLM; async = the copy handed to the
-engine process), with the engine process's own reload (`timing/weight_sync_engine`, overlapped with training).
+Runs online DPO with the colocated engine (online_dpo_single_vllm), the async one (online_dpo_vllm) and the async
+one as a Ray actor (train.engine_backend=ray: the weights go through Ray's object store) on the `smollm2` profile
+(data built once under .cache/bench/smollm2-data, see common.smollm2_data) and prints, per engine, the mean seconds
+per generated batch of the step and of the weight sync on the learner's critical path (`timing/weight_sync`, the
+loop's step 8: colocated = gather + reload into vLLM; async = the copy handed to the engine process; Ray = that copy
+put into the object store), with the engine's own reload (`timing/weight_sync_engine`, overlapped with training).
 Batch 0 is left out (start-up). Run it at two commits for before/after: it only uses the loop's public metrics.
 Writes bench/metrics/weight_sync_<label>.json.
 """
@@ -19,7 +20,11 @@ import subprocess
 
 from common import ROOT, cpu_flags, scratch_data, smollm2_data, timed_train  # bench/ is sys.path[0]
 
-ENGINES = {"colocated": "online_dpo_single_vllm", "async": "online_dpo_vllm"}
+ENGINES = {
+    "colocated": ("online_dpo_single_vllm", ()),
+    "async": ("online_dpo_vllm", ()),
+    "async_ray": ("online_dpo_vllm", ("train.engine_backend=ray",)),
+}
 
 
 def run(trainer: str, episodes: int, overrides: list[str]) -> dict:
@@ -53,10 +58,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--episodes", type=int, default=48, help="6 generated batches of 8 prompts")
     ap.add_argument("--label", default="after", help="names the metrics file (e.g. before / after)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    results = {name: run(trainer, args.episodes, args.overrides) for name, trainer in ENGINES.items()}
+    chosen = args.engines.split(",")
+    if unknown := sorted(set(chosen) - set(ENGINES)):
+        raise SystemExit(f"--engines: unknown {unknown}; choose among {', '.join(ENGINES)}")
+    results = {n: run(ENGINES[n][0], args.episodes, [*ENGINES[n][1], *args.overrides]) for n in chosen}
     print(f"\nsmollm2, online DPO, {args.episodes} episodes, commit {commit.stdout.strip()} ({args.label}, work tree")
     print(f"as checked out); one torch thread per process; CPU flags: {cpu_flags()}; batch 0 left out")
     print(f"{'engine':<11}{'step s':>8}{'sync s':>8}{'share':>8}{'max sync s':>12}{'engine reload s':>17}")
