@@ -32,12 +32,12 @@ def rows(data_dir):
 RAY2 = ["train.engine_backend=ray", "train.num_engines=2"]  # two engines as Ray actors, each half of every batch
 
 
-# online_dpo with N = 1 on the engine process: test_engine_side_scoring_gives_the_learners_scores (two such runs);
-# N = 2 on it: tests/test_vllm_engines.py (the protocol) and rloo-2, ppo-2 here.
+# online_dpo, N = 1, on the engine process and on two Ray engines: test_engine_side_scoring_gives_the_learners_scores.
+# N = 2 on the engine process: tests/test_vllm_engines.py (the protocol) and rloo-2, ppo-2 here.
 @pytest.mark.parametrize(
     "trainer, staleness, backend",
-    [("online_dpo", 1, RAY2), ("rloo", 1, RAY2), ("rloo", 2, []), ("ppo", 1, []), ("ppo", 2, [])],
-    ids=["online_dpo-1-ray2", "rloo-1-ray2", "rloo-2", "ppo-1", "ppo-2"],
+    [("rloo", 1, RAY2), ("rloo", 2, []), ("ppo", 1, []), ("ppo", 2, [])],
+    ids=["rloo-1-ray2", "rloo-2", "ppo-1", "ppo-2"],
 )
 def test_async_engine_keeps_every_batch_within_max_staleness(ci_data, trainer, staleness, backend):
     tis = [] if trainer == "online_dpo" else ["train.tis_cap=2.0"]  # truncated IS for the policy-gradient ones
@@ -169,17 +169,23 @@ def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
     """train.score_in_engine moves the reward model's and the reference's forwards into the engine process: the very
     same numbers (so "auto", which picks a side per batch by timing, keeps runs deterministic). With "always" the
     learner loads no reference model, so the KL could only come from the engine. The two runs are also the async
-    preset's determinism test (tests/test_determinism.py): identical metrics, rows and weights."""
+    preset's determinism test (tests/test_determinism.py): identical metrics, rows and weights. Two more runs sample
+    and score on two Ray engines, each half of every batch: identical to each other (deterministic for a fixed E),
+    and the same samples and scores as one engine (each prompt seeded as one engine seeds it); the reference forward
+    of half a batch pads it otherwise, so KL-derived values agree to float rounding only."""
     import shutil
 
-    other = tmp_path / "learner_scores"
-    shutil.copytree(ci_data, other, symlinks=True)
-    train(
-        ci_config(ci_data, "train.trainer=online_dpo_vllm", "train.total_episodes=24", "train.score_in_engine=always")
-    )
-    train(ci_config(other, "train.trainer=online_dpo_vllm", "train.total_episodes=24", "train.score_in_engine=never"))
-    in_engine, in_learner = rows(ci_data), rows(other)
-    for logged in (in_engine, in_learner):  # N = 1: batch t sampled by weights min(t, 1) updates old
+    other, on_ray, again = tmp_path / "learner_scores", tmp_path / "ray_engines", tmp_path / "ray_engines_again"
+    for copy in (other, on_ray, again):
+        shutil.copytree(ci_data, copy, symlinks=True)
+    dpo = ["train.trainer=online_dpo_vllm", "train.total_episodes=24"]
+    train(ci_config(ci_data, *dpo, "train.score_in_engine=always"))
+    train(ci_config(other, *dpo, "train.score_in_engine=never"))
+    for data in (on_ray, again):
+        train(ci_config(data, *dpo, *RAY2))  # several engines: auto = always
+    in_engine, in_learner, ray = rows(ci_data), rows(other), rows(on_ray)
+    assert all(float(r["timing/scoring_engine"]) > 0 for r in ray)
+    for logged in (in_engine, in_learner, ray):  # N = 1: batch t sampled by weights min(t, 1) updates old
         assert [float(r["async/staleness"]) for r in logged] == [0.0, 1.0, 1.0]
         assert all(float(r["timing/wait"]) >= 0 for r in logged)
     assert all(float(r["timing/scoring_engine"]) > 0 for r in in_engine)
@@ -189,6 +195,12 @@ def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
     first, second = results(ci_data), results(other)
     assert first[0]["final/objective/scores"] != 0  # it did train and log something
     assert first == second
+    assert results(on_ray) == results(again)
+    for key in ("objective/scores", "objective/gold", "completions/mean_length", "completions/eos_rate"):
+        assert [r[key] for r in ray] == [r[key] for r in in_engine], key  # the same samples, the same scores
+    ray_final = results(on_ray)[0]
+    assert ray_final.keys() == first[0].keys()
+    assert all(v == pytest.approx(first[0][k], rel=1e-6, abs=1e-9) for k, v in ray_final.items()), ray_final
     # the report's timeline: how much of the engine's work the learner never waited for
     page, charts = report.write_report(ci_config(ci_data))
     page = page.read_text()

@@ -396,6 +396,16 @@ def test_async_killed_engine_raises_within_seconds(policy, async2):
     async2.close()
 
 
+def test_a_batch_is_cut_into_contiguous_slices_and_each_ranks_part_follows_its_prompts():
+    from rlhf.generation.ray_engines import slice_parts, slices
+
+    assert slices(7, 2) == [(0, 4), (4, 7)] and slices(1, 2) == [(0, 1), (1, 1)]  # the second engine idles
+    assert slices(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    # two training ranks sent 3 prompts each; engine slices [0, 4) and [4, 6) hold rank 0's 3 + rank 1's first 1
+    assert slice_parts([3, 3], 0, 4) == [3, 1] and slice_parts([3, 3], 4, 6) == [2]
+    assert slice_parts([6], 2, 4) == [2]
+
+
 def test_the_local_ray_cluster_listens_on_loopback_only(ray2):
     """No RAY_ADDRESS: the cluster the engines started binds 127.0.0.1 only (Ray alone would bind every interface)."""
     import psutil

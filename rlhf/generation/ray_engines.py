@@ -177,7 +177,7 @@ class RayEngines:
         self.actors = [actor.remote(cores[-1 - e % len(cores)] if pin else None) for e in range(num_engines)]
         self.where: list[str] = [f"actor {a._actor_id.hex()[:12]}" for a in self.actors]  # node and pid once built
         self._calls: deque = deque()  # (kind, key, engine index, ObjectRef), oldest first
-        self._parts: dict[tuple, dict[int, object]] = {}  # (kind, key) -> engine index -> value
+        self._parts: dict[tuple, tuple[int, dict]] = {}  # (kind, key) -> (calls made, engine index -> value)
         self._done: deque[tuple] = deque()  # messages ready for recv
         self._failed: RuntimeError | None = None
         self._cores = set(cores)
@@ -195,17 +195,21 @@ class RayEngines:
         """Hand the message to every actor now (Ray queues the calls); always True."""
         kind = msg[0]
         if kind == "build":
-            self._call("ready", None, [a.build.remote(msg[1]) for a in self.actors])
+            self._call("ready", None, {e: a.build.remote(msg[1]) for e, a in enumerate(self.actors)})
         elif kind == "weights":
             import ray
 
             packed = ray.put(pack_weights(msg[1]))
-            self._call("ack", msg[2], [a.load.remote(packed, msg[2]) for a in self.actors])
+            self._call("ack", msg[2], {e: a.load.remote(packed, msg[2]) for e, a in enumerate(self.actors)})
         elif kind == "generate":
             _, batch, prompts, params, score, parts = msg
-            cuts = slices(len(prompts), self.num_engines)
-            work = [(batch, prompts[a:b], params, score, slice_parts(parts, a, b)) for a, b in cuts]
-            self._call("result", batch, [act.generate.remote(w, a) for act, w, (a, _) in zip(self.actors, work, cuts)])
+            cuts = slices(len(prompts), self.num_engines)  # a batch smaller than E leaves the last engines idle
+            calls = {
+                e: self.actors[e].generate.remote((batch, prompts[a:b], params, score, slice_parts(parts, a, b)), a)
+                for e, (a, b) in enumerate(cuts)
+                if b > a
+            }
+            self._call("result", batch, calls)
         else:
             raise ValueError(f"RayEngines: unknown message {kind!r}")
         return True
@@ -241,9 +245,10 @@ class RayEngines:
         self.actors, self._calls = [], deque()
         os.sched_setaffinity(0, self._cores)
 
-    def _call(self, kind: str, key, refs: list) -> None:
-        self._parts[(kind, key)] = {}
-        self._calls.extend((kind, key, e, ref) for e, ref in enumerate(refs))
+    def _call(self, kind: str, key, refs: dict[int, object]) -> None:
+        """Track the calls `refs` (engine index -> ObjectRef) as the parts of one message."""
+        self._parts[(kind, key)] = (len(refs), {})
+        self._calls.extend((kind, key, e, ref) for e, ref in refs.items())
 
     def _collect(self, kind: str, key, engine: int, ref) -> None:
         import ray
@@ -258,11 +263,11 @@ class RayEngines:
             raise self._failed
         if kind == "ready":
             self.where[engine] = f"actor {engine} on node {value[1]}, pid {value[2]}"
-        parts = self._parts[(kind, key)]
+        expected, parts = self._parts[(kind, key)]
         parts[engine] = value
-        if len(parts) == self.num_engines:
+        if len(parts) == expected:
             del self._parts[(kind, key)]
-            self._done.append(_merge(kind, key, [parts[e] for e in range(self.num_engines)]))
+            self._done.append(_merge(kind, key, [parts[e] for e in sorted(parts)]))
 
     def _actor_error(self, engine: int, what: str, err) -> RuntimeError:
         name = self.where[engine] if "node" in self.where[engine] else f"actor {engine} ({self.where[engine]})"
