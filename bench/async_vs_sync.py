@@ -40,8 +40,8 @@ RUNS = {
     "vllm_async_ray1": ("online_dpo_vllm", (*RAY, "train.num_engines=1")),
     "vllm_async_ray2": ("online_dpo_vllm", (*RAY, "train.num_engines=2")),
 }
-FIRST_SEED_ONLY = {"vllm_colocated", "vllm_async_2ranks"}  # unless the colocated run is the sync baseline
-FIRST_SEED_ONLY |= {"vllm_async_ray1", "vllm_async_ray2"}
+# unless the colocated run is the sync baseline
+FIRST_SEED_ONLY = {"vllm_colocated", "vllm_async_2ranks", "vllm_async_ray1", "vllm_async_ray2"}
 TWO_RANKS = {"vllm_async_2ranks": ("online_dpo_vllm", ())}  # under accelerate launch --num_processes 2
 # train.csv's timing/* columns summed over the run; wait: the learner waiting for the engine (async only);
 # scoring_engine: scores and reference log-probs computed in the engine process (overlapped)

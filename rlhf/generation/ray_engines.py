@@ -175,7 +175,8 @@ class RayEngines:
         # On the local node each engine gets a core of its own from the last one down, as the engine process does.
         pin = local and device == "cpu" and len(cores) > 1
         self.actors = [actor.remote(cores[-1 - e % len(cores)] if pin else None) for e in range(num_engines)]
-        self.where: list[str] = [f"actor {a._actor_id.hex()[:12]}" for a in self.actors]  # node and pid once built
+        # each actor's name in errors: its Ray id until it is built, then its node and pid
+        self.where = [f"actor {e} (id {a._actor_id.hex()[:12]})" for e, a in enumerate(self.actors)]
         self._calls: deque = deque()  # (kind, key, engine index, ObjectRef), oldest first
         self._parts: dict[tuple, tuple[int, dict]] = {}  # (kind, key) -> (calls made, engine index -> value)
         self._done: deque[tuple] = deque()  # messages ready for recv
@@ -270,8 +271,7 @@ class RayEngines:
             self._done.append(_merge(kind, key, [parts[e] for e in sorted(parts)]))
 
     def _actor_error(self, engine: int, what: str, err) -> RuntimeError:
-        name = self.where[engine] if "node" in self.where[engine] else f"actor {engine} ({self.where[engine]})"
-        return RuntimeError(f"vLLM engine {name} of {self.num_engines} {what}: {err}")
+        return RuntimeError(f"vLLM engine {self.where[engine]} of {self.num_engines} {what}: {err}")
 
 
 def _merge(kind: str, key, values: list) -> tuple:
