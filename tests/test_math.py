@@ -1,17 +1,36 @@
-"""The math task's parts that stand alone: the rule verifier (rlhf.rewards.rule) on tricky outputs, the problem
-generator (rlhf.data.math) checked against an independent solver, and the schema that refuses bad answers."""
+"""The math task: the rule verifier (rlhf.rewards.rule) on tricky outputs, the problem generator (rlhf.data.math)
+checked against an independent solver, the schema that refuses bad answers; then its parts in the pipeline (splits,
+the rule reward on a batch, chat-template prompts, evaluation arithmetic, the config rules). The whole task end to
+end: tests/test_pipeline.py."""
 
 from __future__ import annotations
 
 import re
+import shutil
 from decimal import Decimal
 
+import numpy as np
 import pandas as pd
 import pytest
+import torch
+from conftest import ci_config, run_cli
 
-from rlhf.data.math import problems
-from rlhf.data.schemas import DataError, MathProblems, validate
+from rlhf.config import ConfigError
+from rlhf.data.math import INSTRUCTION, build_splits, problems
+from rlhf.data.schemas import DataError, MathProblems, SFTExamples, validate
+from rlhf.data.splits import load_split, split_schemas
+from rlhf.models.batch import assemble
+from rlhf.models.loading import encode_prompts, load_tokenizer
+from rlhf.models.tiny import train_word_tokenizer
+from rlhf.rewards.proxy import RewardSpec, RuleReward
 from rlhf.rewards.rule import final_answer, parse_answer, rule_score
+from rlhf.stages import prepare
+from rlhf.stages.evaluate import summarise_math
+from rlhf.trainers.setup import load_rl_prompts
+
+MATH = ("data.source=math", "train.reward=rule", "train.trainer=grpo")
+# A real Jinja chat template (the tiny tokenizer has none): a user turn in words the tiny vocabularies know
+TEMPLATE = "{% for m in messages %}the {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} is it{% endif %}"
 
 # (response, its final number, stated after "answer")
 CASES = [
@@ -97,3 +116,103 @@ def test_generated_problems_are_reproducible_distinct_and_correct():
 def test_the_schema_refuses_a_problem_whose_answer_is_missing_or_not_a_number(change, message):
     with pytest.raises(DataError, match=re.escape(message)):
         validate(change(problems(6, seed=1)), MathProblems, "problems.csv")
+
+
+# --- the task in the pipeline: splits, the reward on a batch, chat-template prompts, evaluation arithmetic ---------
+
+
+def test_the_task_splits_are_disjoint_worked_and_match_their_schemas():
+    cfg = ci_config("unused", *MATH, "data.n_sft=30", "data.n_rl_prompts=40", "data.n_eval_prompts=20")
+    splits = build_splits(cfg.data, cfg.seed)
+    for name, schema in split_schemas("math").items():
+        validate(splits[name], schema, name)
+    assert {name: len(df) for name, df in splits.items()} == {"rl_prompts": 40, "eval_prompts": 20, "sft": 30}
+    rl, ev = set(splits["rl_prompts"]["prompt"]), set(splits["eval_prompts"]["prompt"])
+    assert not rl & ev and all(p.endswith(INSTRUCTION) for p in rl | ev)
+    assert not {t.rsplit(" The answer is", 1)[0] for t in splits["sft"]["text"]} & (rl | ev)
+    assert all(final_answer(t)[0] is not None for t in splits["sft"]["text"])  # each worked text ends in its answer
+
+
+def _batch(prompts: list[list[int]], k: int, pad: int = 0):
+    responses = torch.full((len(prompts) * k, 3), 9)  # the texts are passed alongside: the tokens do not matter
+    return assemble(prompts, responses, k, pad_id=pad, eos_id=1)
+
+
+def test_the_rule_reward_finds_each_rows_problem_by_its_prompt_tokens():
+    reward = RuleReward({(5, 6, 7): "12", (0, 8): "-3"}, format_bonus=0.0)  # (0, 8) starts with the pad id
+    texts = ["The answer is 12.", "13", "it is -3 degrees", "no number at all"]
+    assert reward(_batch([[5, 6, 7], [0, 8]], k=2), texts).tolist() == [1.0, 0.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="1 of 2 prompts are not problems of the math task"):
+        reward(_batch([[5, 6, 7], [4]], k=2), texts)
+
+
+def test_prompts_go_through_the_chat_template_only_when_auto_and_the_tokenizer_has_one(ci_stages):
+    tokenizer = load_tokenizer(ci_stages / "sft")
+    texts = ["this movie is good"]
+    plain = tokenizer(texts)["input_ids"]
+    assert encode_prompts(tokenizer, texts, "auto") == plain  # the tiny tokenizer has no template
+    tokenizer.chat_template = TEMPLATE
+    wrapped = encode_prompts(tokenizer, texts, "auto")
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": texts[0]}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert wrapped == [expected] and tokenizer.decode(wrapped[0]) == "the this movie is good is it"  # the template's
+    assert "<unk>" not in tokenizer.decode(plain[0])
+    assert encode_prompts(tokenizer, texts, "none") == plain
+
+
+def test_the_loop_and_the_rule_reward_encode_prompts_alike_with_a_chat_template(tmp_path):
+    """The reward finds a problem by its token ids: the loop's prompts (chat template on) must be among its keys."""
+    data = tmp_path / "data"
+    cfg = ci_config(data, *MATH)
+    prepare.run(cfg)
+    texts = load_split(data / "prepared", "sft", SFTExamples)["text"].tolist()
+    tokenizer = train_word_tokenizer(texts, cfg.model.vocab_size)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(data / "sft")
+    ids = load_rl_prompts(cfg, load_tokenizer(data / "sft"))
+    answers = RewardSpec.of(cfg).build().answers
+    assert len(answers) == cfg.data.n_rl_prompts + cfg.data.n_eval_prompts  # no two problems encode alike
+    assert ids and all(tuple(p) in answers for p in ids)
+    assert tokenizer.decode(ids[0]).startswith("the ") and tokenizer.decode(ids[0]).endswith("is it")
+
+
+def test_math_evaluation_arithmetic():
+    right = {"policy": np.array([1, 1, 0, 1]), "sft": np.array([0, 1, 0, 0])}
+    sampled = {"policy": np.array([[1, 0], [1, 1], [0, 0], [0, 1]]), "sft": np.array([[0, 0], [1, 0], [0, 1], [0, 0]])}
+    kl = {"policy": np.array([0.1, 0.3, 0.2, 0.2, 0.0, 0.4, 0.2, 0.2])}
+    m = summarise_math(right, sampled, kl, np.array([1, 1, 2, 3]), k=2)
+    assert m["accuracy/policy"] == 0.75 and m["accuracy/sft"] == 0.25 and m["accuracy/gain"] == 0.5
+    assert m["pass_at_2/policy"] == 0.75 and m["pass_at_2/sft"] == 0.5
+    assert m["sample_accuracy/policy"] == 0.5 and m["sample_accuracy/sft"] == 0.25
+    assert m["accuracy/policy_difficulty_1"] == 1.0 and m["accuracy/sft_difficulty_1"] == 0.5
+    assert m["accuracy/policy_difficulty_3"] == 1.0 and m["accuracy/sft_difficulty_2"] == 0.0
+    assert m["kl/policy_sft_mean"] == pytest.approx(0.2) and m["n_prompts"] == 4
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.source=math"], "train.reward: rule scores the math task"),
+        (["train.reward=rule"], "got data.source=reviews, train.reward=rule"),
+        (["data.source=math", "train.reward=rule", "train.trainer=ppo"], "ppo's value model starts from a reward"),
+    ],
+)
+def test_the_task_and_the_reward_go_together(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ci_config("unused", *overrides)
+
+
+def test_sft_on_plain_texts_is_refused_for_a_model_in_its_chat_template(ci_stages, tmp_path):
+    """A model with a chat template gets its RL prompts in it: SFT on plain text would train it outside it."""
+    model = tmp_path / "chat-model"
+    shutil.copytree(ci_stages / "sft", model)
+    tokenizer = load_tokenizer(model)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(model)
+    overrides = [f"data_dir={tmp_path / 'data'}", "model.source=local", f"model.path={model}"]
+    shutil.copytree(ci_stages / "prepared", tmp_path / "data" / "prepared")
+    proc = run_cli("--profile", "ci", "sft", *overrides)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "rlhf sft: error: sft.train: the SFT texts are plain text" in proc.stderr
+    assert "data.chat_template: none" in proc.stderr and not (tmp_path / "data" / "sft").exists()

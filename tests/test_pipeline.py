@@ -39,15 +39,13 @@ def sh(*cmd, cwd, check=True):
     return proc
 
 
-@pytest.fixture(scope="module")
-def repo(tmp_path_factory, dvc_cache):
-    repo = tmp_path_factory.mktemp("pipeline")
+def pipeline_repo(repo, dvc_cache, params_text: str):
+    """A git + DVC repository of the project's pipeline at `repo` with `params_text` as params.yaml, reproduced."""
     for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(ROOT / name, repo / name)
     # the stages depend on their code (dvc.yaml deps): the repo carries a copy, the venv runs the same code
     shutil.copytree(ROOT / "rlhf", repo / "rlhf", ignore=shutil.ignore_patterns("__pycache__"))
-    text = (ROOT / "params.yaml").read_text().replace("profile: tiny ", "profile: ci   ", 1)
-    (repo / "params.yaml").write_text(text.replace("tracking: {}", "tracking: {wandb_mode: disabled}"))
+    (repo / "params.yaml").write_text(params_text)
     sh("git", "init", "-q", cwd=repo)
     sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "empty", cwd=repo)
     sh("dvc", "init", "-q", cwd=repo)
@@ -59,6 +57,21 @@ def repo(tmp_path_factory, dvc_cache):
     sh("git", "add", "-A", cwd=repo)
     sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "ci pipeline", cwd=repo)
     return repo
+
+
+def ci_params(**sections: str) -> str:
+    """The project's params.yaml on the `ci` profile, W&B off, with top-level `sections` replaced (YAML flow text)."""
+    text = (ROOT / "params.yaml").read_text().replace("profile: tiny ", "profile: ci   ", 1)
+    sections = {"tracking": "{wandb_mode: disabled}", **sections}
+    for name, value in sections.items():
+        text, n = re.subn(rf"^{name}:( {{}}|\n(  .*\n)+)", f"{name}: {value}\n", text, count=1, flags=re.M)
+        assert n == 1, name
+    return text
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, dvc_cache):
+    return pipeline_repo(tmp_path_factory.mktemp("pipeline"), dvc_cache, ci_params())
 
 
 def test_metrics_files_have_their_keys_and_sane_values(repo):
@@ -148,3 +161,26 @@ def test_dvc_plots_diff_overlays_the_workspace_and_head_offline(repo, tmp_path):
     dom = drawn_offline(tmp_path / "diff" / "index.html", tmp_path)
     assert dom.count('class="mark-line role-mark') >= 3 and 'class="mark-symbol role-mark' in dom
     assert ">workspace<" in dom and ">HEAD<" in dom  # the legend names both revisions
+
+
+def test_the_math_task_end_to_end_with_dvc_repro(tmp_path, dvc_cache):
+    """data.source: math through every stage of `dvc repro`: no reward model, GRPO on the rule reward scored in the
+    async engine's process, accuracy / pass@k / KL from evaluate."""
+    train = "{trainer: grpo, reward: rule, engine: vllm_async, score_in_engine: always}"
+    repo = pipeline_repo(tmp_path / "repo", dvc_cache, ci_params(data="{source: math}", train=train))
+    metrics = {p.stem: json.loads(p.read_text()) for p in (repo / "data" / "metrics").glob("*.json")}
+    assert metrics["prepare"]["split_sizes"] == {"eval_prompts": 16, "rl_prompts": 64, "sft": 400}
+    assert metrics["gold"] == {"judge": "rule", "n_texts": 64, "verifier_reads_worked_answers": 1.0}
+    assert metrics["reward"] == {"reward": "rule", "reward_model": None}
+    assert not (repo / "data" / "reward" / "model").exists()
+    ev = metrics["eval"]
+    for key in ("accuracy/policy", "accuracy/sft", "pass_at_4/policy", "pass_at_4/sft", "accuracy/sft_difficulty_3"):
+        assert 0.0 <= ev[key] <= 1.0, key
+    assert ev["accuracy/gain"] == ev["accuracy/policy"] - ev["accuracy/sft"] and ev["n_prompts"] == 16
+    with open(repo / "data" / "plots" / "train.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 and all(0.0 <= float(r["objective/gold"]) <= 1.0 for r in rows)  # the verifier's gold
+    assert all(float(r["timing/scoring_engine"]) > 0 for r in rows)  # the engine process scored with the rule
+    with open(repo / "data" / "plots" / "frontier.csv") as f:
+        frontier = list(csv.DictReader(f))
+    assert [int(r["episode"]) for r in frontier] == [0, 8, 16] and float(frontier[-1]["kl"]) == ev["kl/policy_sft_mean"]

@@ -201,6 +201,20 @@ def test_colocated_sampling_is_seeded_and_streams_are_distinct(policy, colocated
     assert request_seed(SEED, 5, 1, 2) - request_seed(SEED, 5, 0, 2) == 2
 
 
+def test_a_batch_of_more_prompt_tokens_than_one_step_takes_samples_as_small_batches_do(policy, colocated):
+    """> 4096 prompt tokens in one batch: vLLM's scheduler spreads them over steps. With chunked prefill (its
+    default) a seeded request split across steps failed on the CPU ("CPU Generator does not use offset")."""
+    folder, tok = policy
+    colocated.load_weights(loading.load_causal_lm(folder), version=4)
+    prompts = prompt_ids(tok, [" ".join(["the movie was good"] * 10)] * 200)  # 40 tokens each
+    assert sum(map(len, prompts)) > 4096 and max(map(len, prompts)) + 4 <= MAX_MODEL_LEN
+    params = SamplingParams(k=2, max_new_tokens=4, temperature=1.0)
+    big = colocated.generate(prompts, params, batch=0)
+    small = colocated.generate(prompts[:8], params, batch=0)  # seeds by position: the first 8 prompts' samples
+    assert big.responses.shape[0] == 400
+    torch.testing.assert_close(big.responses[:16], small.responses, rtol=0, atol=0)
+
+
 def test_colocated_engine_samples_a_lora_policy_from_its_merged_weights(policy, colocated):
     """train.lora: the engine gets W + scale * B @ A under the base names, and samples what the adapted policy
     computes; the trained module's own weights are untouched by the sync (no in-place merge)."""

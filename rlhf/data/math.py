@@ -7,6 +7,9 @@ Generator; `difficulty` 1-3 sets how many steps it takes and how large the numbe
     3  two steps (a second operation on the first result), numbers up to 100; the temperature story can go below 0
 Answers are integers, written as decimal strings (the verifier, rlhf.rewards.rule, reads them back). The same
 seed gives the same problems, in the same order, on every machine.
+
+`build_splits` makes the task's splits for stage prepare: distinct problems cut into sft (worked texts ending in
+"The answer is N."), rl_prompts and eval_prompts (question + INSTRUCTION, with answer and difficulty), disjoint.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pandas as pd
 NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Hugo", "Ines", "Jonas", "Kemi", "Leo", "Mara", "Noor", "Omar")
 OBJECTS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "shells", "cards", "eggs", "stamps")
 LIMITS = {1: 20, 2: 50, 3: 100}  # the largest number drawn, by difficulty
+INSTRUCTION = "End with 'The answer is N.'"  # after each question: a checkable last line (rlhf.rewards.rule)
 
 
 # Each story: (rng, largest number, name, object) -> (facts, question, answer).
@@ -88,3 +92,17 @@ def problems(n: int, seed: int, difficulties: tuple[int, ...] = (1, 2, 3)) -> pd
     if len(rows) < n:
         raise ValueError(f"only {len(rows)} distinct problems at difficulties {difficulties}, {n} asked for")
     return pd.DataFrame(rows, columns=["prompt_id", "prompt", "answer", "difficulty"])
+
+
+def build_splits(data, seed: int) -> dict[str, pd.DataFrame]:
+    """The math task's splits from data.n_sft / n_rl_prompts / n_eval_prompts distinct problems (disjoint)."""
+    sizes = {"sft": data.n_sft, "rl_prompts": data.n_rl_prompts, "eval_prompts": data.n_eval_prompts}
+    df = problems(sum(sizes.values()), seed)
+    df["prompt"] = df["prompt"] + " " + INSTRUCTION
+    splits, start = {}, 0
+    for name, n in sizes.items():
+        splits[name] = df.iloc[start : start + n].reset_index(drop=True)
+        start += n
+    sft = splits.pop("sft")
+    splits["sft"] = pd.DataFrame({"text": sft["prompt"] + " The answer is " + sft["answer"] + "."})
+    return splits

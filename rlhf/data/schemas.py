@@ -13,7 +13,8 @@ Tables and who writes them:
     PreferencePairs sampled pairs labelled by the gold judge           stage reward
     Generations     policy samples on eval prompts                     stage generate
     EvalResults     gold / proxy / KL per evaluated sample             stage evaluate
-    MathProblems    arithmetic word problems with their answers        rlhf.data.math
+    MathProblems    arithmetic word problems with their answers        rlhf.data.math (stage prepare)
+    MathResults     accuracy / pass@k / KL per evaluated problem       stage evaluate (math task)
 """
 
 from __future__ import annotations
@@ -123,6 +124,17 @@ class MathProblems(_Strict):
     prompt: Series[str] = _text()
     answer: Series[str] = pa.Field(str_matches=r"^-?\d+(\.\d+)?$")
     difficulty: Series[int] = pa.Field(isin=[1, 2, 3])
+
+
+class MathResults(_Strict):
+    """One held-out problem for one policy: its near-greedy answer is correct (1/0), the fraction of its eval.pass_k
+    samples (train.temperature) that are, and their mean KL to the SFT policy (nats)."""
+
+    prompt_id: Series[int] = pa.Field(ge=0)
+    model: Series[str] = _text()
+    correct: Series[int] = pa.Field(isin=[0, 1])
+    samples_correct: Series[float] = _probability()
+    kl: Series[float] = _finite()
 
 
 def _summary(err: pa.errors.SchemaErrors) -> str:

@@ -1,12 +1,15 @@
 """The prepared dataset on disk: one HF `datasets` DatasetDict folder, written atomically and reproducibly.
 
-Split names and their schemas (the contract between `prepare` and every later stage):
+Split names and their schemas (the contract between `prepare` and every later stage), for the reviews and tldr
+tasks:
     sft            SFTExamples     texts for causal-LM fine-tuning
     reward_prompts Prompts         prompts whose sampled pairs train the proxy reward model
     rl_prompts     Prompts         prompts for online RL
     eval_prompts   EvalPrompts     held-out prompts + real continuations
     gold_train     LabelledTexts   human labels the gold judge is fitted on
     gold_test      LabelledTexts   held-out human labels (disjoint texts) to measure the judge
+The math task (data.source: math) has sft, and rl_prompts / eval_prompts as MathProblems (prompt + answer): its
+judge is the rule verifier, so it has no labelled texts, and no reward_prompts (it trains no reward model).
 
 Re-running `prepare` with the same inputs gives byte-identical files, so DVC sees no change: `datasets`
 normally stores a random fingerprint in state.json; here the fingerprint is a hash of the table content.
@@ -23,7 +26,7 @@ import pandera.pandas as pa
 import pyarrow as pa_arrow
 
 from rlhf.config import ConfigError
-from rlhf.data.schemas import DataError, EvalPrompts, LabelledTexts, Prompts, SFTExamples, validate
+from rlhf.data.schemas import DataError, EvalPrompts, LabelledTexts, MathProblems, Prompts, SFTExamples, validate
 from rlhf.io import atomic_dir
 
 SPLIT_SCHEMAS: dict[str, type[pa.DataFrameModel]] = {
@@ -34,7 +37,22 @@ SPLIT_SCHEMAS: dict[str, type[pa.DataFrameModel]] = {
     "gold_train": LabelledTexts,
     "gold_test": LabelledTexts,
 }
+MATH_SPLIT_SCHEMAS: dict[str, type[pa.DataFrameModel]] = {
+    "sft": SFTExamples,
+    "rl_prompts": MathProblems,
+    "eval_prompts": MathProblems,
+}
 _HINT = "run `rlhf prepare` first"
+
+
+def split_schemas(source: str) -> dict[str, type[pa.DataFrameModel]]:
+    """The splits of data.source's task and their schemas."""
+    return MATH_SPLIT_SCHEMAS if source == "math" else SPLIT_SCHEMAS
+
+
+def load_task_split(folder: Path | str, name: str, source: str) -> pd.DataFrame:
+    """One split of data.source's task, validated against that task's schema for it."""
+    return load_split(folder, name, split_schemas(source)[name])
 
 
 def take_rows(order: np.ndarray, start: int, n: int, field: str, what: str) -> np.ndarray:

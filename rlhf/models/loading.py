@@ -57,6 +57,22 @@ def load_tokenizer(
     return tokenizer
 
 
+def uses_chat_template(tokenizer, chat_template: str) -> bool:
+    """data.chat_template resolved for this tokenizer: "auto" uses the template when the tokenizer has one."""
+    return chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompts(tokenizer, texts: list[str], chat_template: str) -> list[list[int]]:
+    """Prompt texts as token ids, the one way every stage and the loop tokenise a prompt: each text as the user turn
+    of the tokenizer's chat template, the assistant's turn opened (data.chat_template auto, when the tokenizer has
+    a template), else the text as is (with the tokenizer's own special tokens, e.g. BOS)."""
+    if not uses_chat_template(tokenizer, chat_template):
+        return tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    # return_dict=False: transformers 5 otherwise returns a BatchEncoding for tokenize=True
+    template = dict(add_generation_prompt=True, tokenize=True, return_dict=False)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], **template) for text in texts]
+
+
 # --- causal LMs ------------------------------------------------------------------------------------------
 
 

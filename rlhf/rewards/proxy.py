@@ -1,6 +1,7 @@
-"""Reward functions the online loop can optimise: the proxy RM (default) or the gold judge directly.
+"""Reward functions the online loop can optimise: the proxy RM (default), the gold judge directly, or the math task's
+rule verifier.
 
-Both take the post-processed batch (`ModelInput`, on any device) and its response texts and return one score per
+All take the post-processed batch (`ModelInput`, on any device) and its response texts and return one score per
 sequence (N,): the proxy RM on its own device, the gold judge on the CPU. Evaluation always uses gold. A
 `RewardSpec` names a reward function without loading it, so the async engine's process can build its own copy and
 score batches while the learner trains.
@@ -58,14 +59,58 @@ class GoldReward:
         return torch.as_tensor(self.judge.score(texts), dtype=torch.float32)
 
 
+class RuleReward:
+    """The math task's verifier (rlhf.rewards.rule): 1 when a response's final number is its problem's answer.
+
+    A batch carries token ids, not problems: each row's prompt (its real tokens, from the attention mask) is looked
+    up among the task's prompts, encoded exactly as the loop encodes them (`encode_prompts`)."""
+
+    needs_texts = True
+
+    def __init__(self, answers: dict[tuple[int, ...], str], format_bonus: float = 0.0):
+        self.answers, self.format_bonus = answers, format_bonus
+
+    def placed(self, place, device: torch.device) -> RuleReward:
+        return self  # text in, numbers out, on the CPU
+
+    def __call__(self, batch: ModelInput, texts: list[str]) -> torch.Tensor:
+        from rlhf.rewards.rule import rule_score
+
+        k = len(texts) // len(batch.prompt_ids)
+        prompt_mask = batch.attn[::k, : batch.context].bool().cpu()
+        prompts = [tuple(row[mask].tolist()) for row, mask in zip(batch.prompt_ids.cpu(), prompt_mask)]
+        missing = sum(p not in self.answers for p in prompts)
+        if missing:
+            raise ValueError(f"rule reward: {missing} of {len(prompts)} prompts are not problems of the math task")
+        answers = [self.answers[p] for p in prompts for _ in range(k)]
+        scores = [rule_score(text, answer, self.format_bonus) for text, answer in zip(texts, answers)]
+        return torch.tensor(scores, dtype=torch.float32)
+
+
 @dataclass(frozen=True)
 class RewardSpec:
-    """train.reward as a picklable recipe: "proxy" reads the reward model in `folder`, "gold" the judge."""
+    """train.reward as a picklable recipe: "proxy" reads the reward model in `folder`, "gold" the judge in `folder`,
+    "rule" the math problems of the prepared data in `folder` (tokenised with the tokenizer in `tokenizer_folder`
+    and data.chat_template `chat_template`, as the loop does)."""
 
-    kind: Literal["proxy", "gold"]
+    kind: Literal["proxy", "gold", "rule"]
     folder: str
+    tokenizer_folder: str | None = None
+    chat_template: str = "none"
+    format_bonus: float = 0.0
+
+    @classmethod
+    def of(cls, config, format_bonus: float | None = None) -> RewardSpec:
+        """train.reward of `config` (a rlhf.config.Config); format_bonus overrides the rule's (0: the verifier only)."""
+        c = config.train
+        if c.reward == "rule":
+            bonus = c.format_bonus if format_bonus is None else format_bonus
+            return cls("rule", str(config.path("prepared")), str(config.path("sft")), config.data.chat_template, bonus)
+        return cls(c.reward, str(config.path("gold") if c.reward == "gold" else config.path("reward", "model")))
 
     def build(self):
+        if self.kind == "rule":
+            return RuleReward(self._answers(), self.format_bonus)
         if self.kind == "gold":
             from rlhf.rewards.gold import GoldJudge
 
@@ -73,3 +118,16 @@ class RewardSpec:
         from rlhf.models.loading import load_reward_model
 
         return ProxyReward(load_reward_model(Path(self.folder)).requires_grad_(False))
+
+    def _answers(self) -> dict[tuple[int, ...], str]:
+        """Every problem's prompt as token ids -> its answer, over the splits the loop and evaluation sample."""
+        from rlhf.data.splits import load_task_split
+        from rlhf.models.loading import encode_prompts, load_tokenizer
+
+        tokenizer = load_tokenizer(Path(self.tokenizer_folder))
+        answers = {}
+        for split in ("rl_prompts", "eval_prompts"):
+            df = load_task_split(Path(self.folder), split, "math")
+            ids = encode_prompts(tokenizer, list(df["prompt"]), self.chat_template)
+            answers.update({tuple(p): a for p, a in zip(ids, df["answer"])})
+        return answers

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
+RULE_JUDGE = {"judge": "rule", "verifier": "rlhf.rewards.rule.rule_score"}  # data/gold/rule.json of the math task
 _GROUPED = re.compile(r"(?<![\d.])(\d{1,3}(?:,\d{3})+)(?![\d,])")  # 1,250 / 12,000,000 (not 3,4 nor 1,2345)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _ANSWER = re.compile(r"answer", re.IGNORECASE)

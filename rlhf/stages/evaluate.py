@@ -9,6 +9,11 @@ The same for each policy kept through training (train.eval_checkpoints), as the 
 win-rate against KL to the SFT policy over the run (the paper's figure), data/plots/frontier.csv.
 Outputs: data/metrics/eval.json, data/plots/eval_gold.csv, data/plots/frontier.csv, data/eval (EvalResults: per
 prompt and policy).
+
+The math task (data.source: math) has the rule verifier for gold and no proxy RM: its exact-match accuracy of the
+near-greedy answers (overall and by difficulty), pass@k over eval.pass_k samples at train.temperature and the KL on
+those samples; its frontier's win-rate vs SFT counts a problem the policy gets right and the SFT policy wrong as
+a win, both right or both wrong as a tie (0.5 + accuracy gain / 2). data/eval then holds MathResults.
 """
 
 from __future__ import annotations
@@ -33,14 +38,14 @@ def win_rate(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def kl_and_proxy(
-    policy, sft, reward_model, tokenizer, prompts: list[str], cfg: Config, device, engine=None
+def kl_and_scores(
+    policy, sft, reward, tokenizer, prompts: list[list[int]], cfg: Config, device, engine=None, k: int = 1
 ) -> tuple[np.ndarray, ...]:
-    """Per prompt: sequence KL(policy || sft) on one policy sample (empty without `sft`), and the proxy reward of that
-    sample. The models live on `device`; `engine` samples the policy (None: HF generate)."""
-    params = SamplingParams(k=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.train.temperature)
+    """Per sample (k per prompt, prompt-major): sequence KL(policy || sft) (empty without `sft`) and its `reward`
+    (a reward function, rlhf.rewards.proxy), on the policy's own samples at train.temperature. The models live on
+    `device`; `engine` samples the policy (None: HF generate)."""
+    params = SamplingParams(k=k, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.train.temperature)
     kls, proxies = [], []
-    reward = ProxyReward(reward_model, device)
     batches = sample(
         policy, tokenizer, prompts, params, cfg.eval.batch_size, device, score=reward, desc="evaluate", engine=engine
     )
@@ -55,33 +60,54 @@ def kl_and_proxy(
 
 
 def run(cfg: Config) -> dict:
-    from rlhf.data.schemas import EvalPrompts, EvalResults, Generations, validate
-    from rlhf.data.splits import load_split, save_splits
-    from rlhf.models.loading import load_causal_lm, load_reward_model, load_tokenizer
-    from rlhf.rewards.gold import GoldJudge
+    from rlhf.data.schemas import Generations
+    from rlhf.data.splits import load_split, load_task_split
+    from rlhf.models.loading import encode_prompts, load_causal_lm, load_tokenizer
 
-    judge = GoldJudge.load(cfg.path("gold"))
-    prompts = load_split(cfg.path("prepared"), "eval_prompts", EvalPrompts)
+    prompts = load_task_split(cfg.path("prepared"), "eval_prompts", cfg.data.source)
     gens = load_split(cfg.path("generations"), "eval", Generations)
     by_model = {name: df.set_index("prompt_id").loc[prompts["prompt_id"]] for name, df in gens.groupby("model")}
-    gold = {name: judge.score(list(df["response"])) for name, df in by_model.items()}
-    gold["reference"] = judge.score(list(prompts["reference"]))
+    responses = {name: list(df["response"]) for name, df in by_model.items()}
 
     tokenizer, device = load_tokenizer(cfg.path("sft")), runtime.device()
+    math = cfg.data.source == "math"
+    reward = _verifier(cfg) if math else _proxy(cfg, device)
+    k = cfg.eval.pass_k if math else 1
     sft = load_causal_lm(cfg.path("sft")).to(device)
-    rm = load_reward_model(cfg.path("reward", "model")).to(device)
-    texts, length, policies = list(prompts["prompt"]), cfg.eval.max_new_tokens, models(cfg)
-    kl, proxy = {"sft": np.zeros(len(prompts))}, {}  # the SFT policy's KL to itself is 0
+    ids, policies = encode_prompts(tokenizer, list(prompts["prompt"]), cfg.data.chat_template), models(cfg)
+    kl, scores = {"sft": np.zeros(len(prompts) * k)}, {}  # the SFT policy's KL to itself is 0
     for name, (folder, _) in policies.items():
         policy, kl_to = (sft, None) if name == "sft" else (load_causal_lm(folder).to(device), sft)
         torch.manual_seed(cfg.seed)  # a model's samples must not depend on how much randomness the others used
-        with stage_engine(cfg.eval.engine, folder, tokenizer, texts, length, device, cfg.seed) as e:
-            policy_kl, proxy[name] = kl_and_proxy(policy, kl_to, rm, tokenizer, texts, cfg, device, e)
+        with stage_engine(cfg.eval.engine, folder, tokenizer, ids, cfg.eval.max_new_tokens, device, cfg.seed) as e:
+            policy_kl, scores[name] = kl_and_scores(policy, kl_to, reward, tokenizer, ids, cfg, device, e, k)
         if kl_to is not None:
             kl[name] = policy_kl
+    episodes = {name: episode for name, (_, episode) in policies.items()}
+    if math:
+        metrics = _write_math(cfg, prompts, responses, scores, kl, episodes)
+    else:
+        metrics = _write(cfg, prompts, responses, scores, kl, episodes)
+    print("evaluate: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "n_prompts"))
+    return metrics
 
+
+def _proxy(cfg: Config, device) -> ProxyReward:
+    from rlhf.models.loading import load_reward_model
+
+    return ProxyReward(load_reward_model(cfg.path("reward", "model")).to(device), device)
+
+
+def _write(cfg: Config, prompts, responses: dict[str, list[str]], proxy, kl, episodes: dict[str, int]) -> dict:
+    """The reviews/tldr task's outputs: gold scores of each policy's responses and of the references."""
+    from rlhf.data.schemas import EvalResults, validate
+    from rlhf.rewards.gold import GoldJudge
+
+    judge = GoldJudge.load(cfg.path("gold"))
+    gold = {name: judge.score(texts) for name, texts in responses.items()}
+    gold["reference"] = judge.score(list(prompts["reference"]))
     metrics = summarise(gold, kl["policy"], proxy)
-    frontier = frontier_table(gold, kl, proxy, {name: episode for name, (_, episode) in policies.items()})
+    frontier = frontier_table(gold, kl, proxy, episodes)
     results = pd.concat(
         [
             pd.DataFrame(
@@ -93,7 +119,7 @@ def run(cfg: Config) -> dict:
                     "kl": kl[name].astype(float),
                 }
             )
-            for name in policies
+            for name in episodes
         ],
         ignore_index=True,
     )
@@ -101,13 +127,20 @@ def run(cfg: Config) -> dict:
     log_results(cfg, "evaluate", metrics, {"frontier": frontier})  # W&B (offline by default)
     bars = ["sft", "policy", "reference"]
     plot = pd.DataFrame({"model": bars, "gold": [metrics[f"gold/{m}"] for m in bars]})
-    with atomic_dir(cfg.path("eval")) as tmp:  # outputs go together: metrics and plot before the results move in
-        save_splits({"results": results}, tmp)
+    write_outputs(cfg, {"results": results}, metrics, plot, frontier)
+    return metrics
+
+
+def write_outputs(cfg: Config, results: dict[str, pd.DataFrame], metrics: dict, plot, frontier) -> None:
+    """data/eval, data/metrics/eval.json, data/plots/eval_gold.csv and frontier.csv, together: the metrics and plots
+    are written before the results folder moves in."""
+    from rlhf.data.splits import save_splits
+
+    with atomic_dir(cfg.path("eval")) as tmp:
+        save_splits(results, tmp)
         write_json(cfg.path("metrics", "eval.json"), metrics)
         write_text(cfg.path("plots", "eval_gold.csv"), plot.to_csv(index=False))
         write_text(cfg.path("plots", "frontier.csv"), frontier.to_csv(index=False))
-    print("evaluate: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "n_prompts"))
-    return metrics
 
 
 def frontier_table(
@@ -147,3 +180,76 @@ def summarise(gold: dict[str, np.ndarray], kl: np.ndarray, proxy: dict[str, np.n
         "proxy/sft": float(proxy["sft"].mean()),
         "n_prompts": len(kl),
     }
+
+
+# --- the math task ----------------------------------------------------------------------------------------
+
+
+def _verifier(cfg: Config):
+    """The rule verifier as a reward function (no format bonus): 1 per right sample, else 0."""
+    from rlhf.rewards.proxy import RewardSpec
+
+    return RewardSpec.of(cfg, format_bonus=0.0).build()
+
+
+def _write_math(cfg: Config, prompts: pd.DataFrame, responses: dict, sampled: dict, kl: dict, episodes: dict) -> dict:
+    """prompts: eval_prompts (MathProblems); responses: model -> near-greedy texts in prompt order; sampled: model ->
+    (n * k,) 0/1 of its samples, prompt-major; kl: model -> (n * k,) KL to the SFT policy; episodes: model -> episode.
+    Writes the stage's outputs, returns the metrics."""
+    from rlhf.data.schemas import MathResults, validate
+    from rlhf.rewards.rule import rule_score
+
+    k = cfg.eval.pass_k
+    n = len(prompts)
+    answers = list(prompts["answer"])
+    right = {m: np.array([rule_score(t, a) for t, a in zip(texts, answers)]) for m, texts in responses.items()}
+    per_problem = {m: s.reshape(n, k) for m, s in sampled.items()}
+    metrics = summarise_math(right, per_problem, kl, prompts["difficulty"].to_numpy(), k)
+    frontier = pd.DataFrame(
+        [
+            {
+                "episode": episode,
+                "fraction": episode / max(episodes.values()),
+                "kl": float(kl[m].mean()),
+                "win_rate_vs_sft": win_rate(right[m], right["sft"]),
+                "accuracy": float(right[m].mean()),
+                f"pass_at_{k}": float(per_problem[m].max(1).mean()),
+            }
+            for m, episode in sorted(episodes.items(), key=lambda item: item[1])
+        ]
+    )
+    results = pd.concat(
+        [
+            pd.DataFrame(
+                {
+                    "prompt_id": prompts["prompt_id"].to_numpy(),
+                    "model": m,
+                    "correct": right[m].astype(int),
+                    "samples_correct": per_problem[m].mean(1).astype(float),
+                    "kl": kl[m].reshape(n, k).mean(1).astype(float),
+                }
+            )
+            for m in episodes
+        ],
+        ignore_index=True,
+    )
+    validate(results, MathResults, "eval results (math)")
+    log_results(cfg, "evaluate", metrics, {"frontier": frontier})
+    plot = pd.DataFrame({"model": ["sft", "policy"], "gold": [metrics["accuracy/sft"], metrics["accuracy/policy"]]})
+    write_outputs(cfg, {"results": results}, metrics, plot, frontier)
+    return metrics
+
+
+def summarise_math(right: dict, sampled: dict, kl: dict, difficulty: np.ndarray, k: int) -> dict:
+    """data/metrics/eval.json of the math task from 0/1 per problem (right), (n, k) 0/1 per sample (sampled), the
+    KL of the policy's samples and each problem's difficulty."""
+    metrics = {"n_prompts": len(difficulty), "kl/policy_sft_mean": float(kl["policy"].mean())}
+    metrics["kl/policy_sft_std"] = float(kl["policy"].std())
+    for m in ("policy", "sft"):
+        metrics[f"accuracy/{m}"] = float(right[m].mean())
+        metrics[f"pass_at_{k}/{m}"] = float(sampled[m].max(1).mean())
+        metrics[f"sample_accuracy/{m}"] = float(sampled[m].mean())
+        for level in sorted(set(difficulty.tolist())):
+            metrics[f"accuracy/{m}_difficulty_{level}"] = float(right[m][difficulty == level].mean())
+    metrics["accuracy/gain"] = metrics["accuracy/policy"] - metrics["accuracy/sft"]
+    return metrics

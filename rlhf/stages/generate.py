@@ -26,21 +26,21 @@ def models(cfg: Config) -> dict[str, tuple[Path, int]]:
 
 
 def run(cfg: Config) -> dict:
-    from rlhf.data.schemas import EvalPrompts, Generations, validate
-    from rlhf.data.splits import load_split, save_splits
-    from rlhf.models.loading import load_causal_lm, load_tokenizer
+    from rlhf.data.schemas import Generations, validate
+    from rlhf.data.splits import load_task_split, save_splits
+    from rlhf.models.loading import encode_prompts, load_causal_lm, load_tokenizer
 
-    prompts = load_split(cfg.path("prepared"), "eval_prompts", EvalPrompts)
+    prompts = load_task_split(cfg.path("prepared"), "eval_prompts", cfg.data.source)
     params = SamplingParams(k=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature)
     frames, device = [], runtime.device()
-    texts_in = list(prompts["prompt"])
     names = models(cfg)
     for name, (folder, _) in names.items():
         torch.manual_seed(cfg.seed)
         tokenizer = load_tokenizer(folder)
-        with stage_engine(cfg.eval.engine, folder, tokenizer, texts_in, params.max_new_tokens, device, cfg.seed) as e:
+        ids = encode_prompts(tokenizer, list(prompts["prompt"]), cfg.data.chat_template)
+        with stage_engine(cfg.eval.engine, folder, tokenizer, ids, params.max_new_tokens, device, cfg.seed) as e:
             model = load_causal_lm(folder).to(device) if e is None else None  # vLLM loads the folder itself
-            batches = sample(model, tokenizer, texts_in, params, cfg.eval.batch_size, device, desc=name, engine=e)
+            batches = sample(model, tokenizer, ids, params, cfg.eval.batch_size, device, desc=name, engine=e)
             texts = [text for s in batches for text in s.texts]
         frames.append(
             pd.DataFrame(

@@ -3,6 +3,8 @@
 Outputs: data/gold (judge.json + weights.safetensors, no pickle) and data/metrics/gold.json with
 held-out accuracy of the judge's score (> 0.5 = positive) overall and per source, and of the bare
 classifier (without the repetition factor; the two should agree on real reviews).
+The math task's judge is the rule verifier (rlhf.rewards.rule): nothing to fit; data/gold then holds rule.json,
+and the metrics how often the verifier reads the right answer back from the task's own worked texts (1.0).
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 import time
 
 from rlhf.config import Config
-from rlhf.data.splits import load_split
+from rlhf.data.splits import load_split, load_task_split
 from rlhf.io import atomic_dir, write_json
 from rlhf.rewards.gold import GoldJudge
 
 
 def run(cfg: Config) -> dict:
     """Fit, evaluate and save the judge; returns (and writes) the gold metrics."""
+    if cfg.data.source == "math":
+        return _rule_judge(cfg)
     train = load_split(cfg.path("prepared"), "gold_train")
     test = load_split(cfg.path("prepared"), "gold_test")
     start = time.perf_counter()
@@ -44,4 +48,19 @@ def run(cfg: Config) -> dict:
         f"gold: held-out accuracy {metrics['accuracy']:.3f} ({by_source}) on {len(test)} texts; "
         f"fitted on {len(train)} in {fit_seconds:.1f}s -> {cfg.path('gold')}"
     )
+    return metrics
+
+
+def _rule_judge(cfg: Config) -> dict:
+    from rlhf.rewards.rule import RULE_JUDGE, rule_score
+
+    rl = load_task_split(cfg.path("prepared"), "rl_prompts", cfg.data.source)
+    worked = [f"{p} The answer is {a}." for p, a in zip(rl["prompt"], rl["answer"])]
+    correct = [rule_score(text, answer) for text, answer in zip(worked, rl["answer"])]
+    metrics = {"judge": "rule", "verifier_reads_worked_answers": sum(correct) / len(correct), "n_texts": len(worked)}
+    with atomic_dir(cfg.path("gold")) as tmp:
+        write_json(tmp / "rule.json", RULE_JUDGE)
+        write_json(cfg.path("metrics", "gold.json"), metrics)
+    read = metrics["verifier_reads_worked_answers"]
+    print(f"gold: the rule verifier is the judge; it reads back {read:.3f} of the worked answers")
     return metrics

@@ -12,7 +12,7 @@ import pandas as pd
 
 from rlhf.config import Config
 from rlhf.data.schemas import validate
-from rlhf.data.splits import SPLIT_SCHEMAS, save_splits
+from rlhf.data.splits import save_splits, split_schemas
 from rlhf.io import atomic_dir, write_json
 
 
@@ -45,18 +45,27 @@ def _tldr_splits(cfg: Config) -> tuple[dict[str, pd.DataFrame], dict]:
     return splits, {"source_datasets": [cfg.data.tldr_prompts_dataset, cfg.data.tldr_pairs_dataset]}
 
 
+def _math_splits(cfg: Config) -> tuple[dict[str, pd.DataFrame], dict]:
+    from rlhf.data import math
+
+    splits = math.build_splits(cfg.data, cfg.seed)
+    mix = {name: splits[name]["difficulty"].value_counts().sort_index() for name in ("rl_prompts", "eval_prompts")}
+    return splits, {"difficulty_counts": {name: {str(k): int(v) for k, v in c.items()} for name, c in mix.items()}}
+
+
+SOURCES = {"reviews": _reviews_splits, "tldr": _tldr_splits, "math": _math_splits}
+
+
 def run(cfg: Config) -> dict:
     """Build, validate and save the splits; returns (and writes) the prepare metrics."""
-    splits, info = _reviews_splits(cfg) if cfg.data.source == "reviews" else _tldr_splits(cfg)
-    for name, schema in SPLIT_SCHEMAS.items():
+    splits, info = SOURCES[cfg.data.source](cfg)
+    for name, schema in split_schemas(cfg.data.source).items():
         validate(splits[name], schema, f"split {name!r} (built by prepare, data.source={cfg.data.source})")
     folder = cfg.path("prepared")
-    metrics = {
-        "source": cfg.data.source,
-        "split_sizes": {name: len(df) for name, df in splits.items()},
-        "gold_positive_fraction": {name: float(splits[name]["label"].mean()) for name in ("gold_train", "gold_test")},
-        **info,
-    }
+    metrics = {"source": cfg.data.source, "split_sizes": {name: len(df) for name, df in splits.items()}, **info}
+    if "gold_train" in splits:
+        gold = ("gold_train", "gold_test")
+        metrics["gold_positive_fraction"] = {name: float(splits[name]["label"].mean()) for name in gold}
     with atomic_dir(folder) as tmp:  # outputs go together: the metrics are written before the splits move in
         save_splits(splits, tmp)
         write_json(cfg.path("metrics", "prepare.json"), metrics)

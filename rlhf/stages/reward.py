@@ -31,16 +31,19 @@ HEAD_L2 = (1e-3, 1e-2, 1e-1, 1.0)  # reward.trainable=head: L2 strengths tried (
 def sample_pairs(cfg: Config, policy, tokenizer, prompts: list[str], device, chunk: int = 64) -> pd.DataFrame:
     """Two SFT samples per prompt, decoded up to their first EOS (kept as token ids too, for training), sampled by
     reward.engine."""
+    from rlhf.models.loading import encode_prompts
+
     params = SamplingParams(k=2, max_new_tokens=cfg.reward.response_length, temperature=cfg.reward.temperature)
     rows = []
     sft, length = cfg.path("sft"), params.max_new_tokens
-    with stage_engine(cfg.reward.engine, sft, tokenizer, prompts, length, device, cfg.seed) as engine:
-        for s in sample(policy, tokenizer, prompts, params, chunk, device, desc="reward: pairs", engine=engine):
+    prompt_ids = encode_prompts(tokenizer, prompts, cfg.data.chat_template)
+    with stage_engine(cfg.reward.engine, sft, tokenizer, prompt_ids, length, device, cfg.seed) as engine:
+        for s in sample(policy, tokenizer, prompt_ids, params, chunk, device, desc="reward: pairs", engine=engine):
             ids, texts = s.batch.response_ids(), s.texts
             for j in range(len(texts) // 2):
                 a, b = 2 * j, 2 * j + 1
                 rows.append({"a": texts[a], "b": texts[b], "a_ids": ids[a], "b_ids": ids[b]})
-    return pd.DataFrame([{"prompt": p, **row} for p, row in zip(prompts, rows)])
+    return pd.DataFrame([{"prompt": p, "prompt_ids": i, **row} for p, i, row in zip(prompts, prompt_ids, rows)])
 
 
 def label_with_gold(pairs: pd.DataFrame, judge, min_margin: float) -> pd.DataFrame:
@@ -50,6 +53,7 @@ def label_with_gold(pairs: pd.DataFrame, judge, min_margin: float) -> pd.DataFra
     out = pd.DataFrame(
         {
             "prompt": pairs["prompt"],
+            "prompt_ids": pairs["prompt_ids"],
             "chosen": pairs["a"].where(a_wins, pairs["b"]),
             "rejected": pairs["b"].where(a_wins, pairs["a"]),
             "chosen_gold": pd.Series(ga).where(a_wins, gb).astype(float),
@@ -65,7 +69,7 @@ def label_with_gold(pairs: pd.DataFrame, judge, min_margin: float) -> pd.DataFra
 def _pair_inputs(tokenizer, df: pd.DataFrame, device) -> tuple:
     """Chosen then rejected of a batch of pairs as model inputs: sequences, attn, positions (2n, C+T) on `device`,
     the prompt width C and each response's last index (2n,)."""
-    prompt_ids, prompt_mask = pad_left(tokenizer(list(df["prompt"]))["input_ids"] * 2, tokenizer.pad_token_id)
+    prompt_ids, prompt_mask = pad_left(list(df["prompt_ids"]) * 2, tokenizer.pad_token_id)
     responses = list(df["chosen_ids"]) + list(df["rejected_ids"])
     width = max(1, max(len(r) for r in responses))
     resp = pad_right(responses, width, tokenizer.pad_token_id)
@@ -185,6 +189,8 @@ def run(cfg: Config) -> dict:
     )
     from rlhf.rewards.gold import GoldJudge
 
+    if cfg.train.reward == "rule":
+        return _no_reward_model(cfg)
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     judge = GoldJudge.load(cfg.path("gold"))
@@ -229,4 +235,14 @@ def run(cfg: Config) -> dict:
         save_splits(splits, tmp / "pairs")
         write_json(cfg.path("metrics", "reward.json"), metrics)  # outputs go together: before the folder moves in
     print(f"reward: {len(pairs)} gold-labelled pairs; held-out agreement with gold {metrics['agreement_heldout']:.3f}")
+    return metrics
+
+
+def _no_reward_model(cfg: Config) -> dict:
+    """train.reward: rule (the math task) scores with the verifier: no reward model to train; data/reward says so."""
+    metrics = {"reward": "rule", "reward_model": None}
+    with atomic_dir(cfg.path("reward")) as tmp:
+        write_json(tmp / "rule.json", {"reward": "rule", "format_bonus": cfg.train.format_bonus})
+        write_json(cfg.path("metrics", "reward.json"), metrics)
+    print("reward: train.reward is rule: the math verifier scores RL samples; no reward model to train")
     return metrics

@@ -37,6 +37,12 @@ def run(cfg: Config) -> dict:
     texts = load_split(cfg.path("prepared"), "sft", SFTExamples)["text"].tolist()
     train_texts, heldout_texts = split_heldout(texts, cfg.sft.heldout_texts, cfg.seed)
     model, tokenizer = _starting_point(cfg, train_texts)
+    if cfg.sft.train and loading.uses_chat_template(tokenizer, cfg.data.chat_template):
+        raise ConfigError(
+            "sft.train: the SFT texts are plain text, but data.chat_template puts RL and eval prompts in the model's "
+            "chat template; set sft.train: false (an instruction-tuned model is its own SFT policy) or "
+            "data.chat_template: none"
+        )
     _check_length(cfg, model)
     device = runtime.device()
     model.to(device)

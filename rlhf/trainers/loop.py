@@ -298,7 +298,7 @@ def log(run: Run, tracker: Tracker, state, t: int, col: Collected, step_stats: l
     )
     if r.is_weight is not None:
         stats["policy/is_weight"] = r.is_weight.mean().item()
-    gold = run.gold.score(col.texts) if run.gold is not None else None
+    gold = run.gold(col.inputs, col.texts) if run.gold is not None else None
     if gold is not None:
         stats["objective/gold"] = float(gold.mean())
     row = _reduce_mean(run, stats)

@@ -25,7 +25,7 @@ from rlhf.generation.base import Engine, ReferenceSpec, SamplingParams
 from rlhf.generation.factory import lookahead, make_engine, placement
 from rlhf.generation.shared import SharedEngine
 from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
-from rlhf.models.loading import load_tokenizer
+from rlhf.models.loading import encode_prompts, load_tokenizer
 from rlhf.models.lora import AdaptersOff, add_adapters
 from rlhf.presets import resolve
 from rlhf.rewards.proxy import GoldReward, RewardSpec
@@ -73,7 +73,7 @@ class Run:
     tokenizer: object
     prompts: list[list[int]]  # the RL prompts as token ids; batch t takes its share by `prompts_of(t)`
     reward_fn: Callable | None  # (ModelInput, texts) -> scores (N,); None when the engine scores every batch
-    gold: object | None  # the gold judge (rlhf.rewards.gold): gold metrics of the training samples
+    gold: Callable | None  # the task's gold (the judge, or the math verifier), as reward_fn: the training samples' gold
     # derived from the above
     params: SamplingParams = field(init=False)
     shuffle: torch.Generator = field(init=False)  # mini-batch order; saved in checkpoints
@@ -109,7 +109,7 @@ def setup(cfg: Config, engine_process=None) -> Run:
     objective = OBJECTIVES[algorithm](c)
     tokenizer = load_tokenizer(cfg.path("sft"))
     prompts = load_rl_prompts(cfg, tokenizer)
-    reward = RewardSpec(c.reward, str(cfg.path("gold") if c.reward == "gold" else cfg.path("reward", "model")))
+    reward = RewardSpec.of(cfg)
     # An engine in its own process builds vLLM (from the SFT folder) while this one loads its models.
     early = _start_engine_early(cfg, tokenizer, prompts, reward, engine_process)
     try:
@@ -201,20 +201,22 @@ def _scoring_side(c: TrainConfig, engine_name: str) -> str:
 
 
 def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
-    """(the learner's reward function or None, the gold judge or None).
+    """(the learner's reward function or None, the task's gold as a reward function or None).
 
-    The learner always loads the judge (gold metrics), so a bad judge folder fails here, naming it; with
-    train.reward=gold the reward already holds it.
+    The learner always loads the gold (metrics of the training samples), so a bad judge folder fails here, naming
+    it; with train.reward=gold the reward already is it; the math task's gold is the verifier without format bonus.
     """
     c = cfg.train
     reward_fn = None if _scoring_side(c, engine_name) == "always" else reward.build()
     if isinstance(reward_fn, GoldReward):
-        return reward_fn, reward_fn.judge
-    if c.reward != "gold" and not cfg.path("gold").exists():
+        return reward_fn, reward_fn
+    if c.reward == "rule":
+        return reward_fn, RewardSpec.of(cfg, format_bonus=0.0).build()
+    if not cfg.path("gold").exists():
         return reward_fn, None  # no judge: skip importing scikit-learn (~100 MB of RSS)
     from rlhf.rewards.gold import GoldJudge
 
-    return reward_fn, GoldJudge.load(cfg.path("gold"))
+    return reward_fn, GoldReward(GoldJudge.load(cfg.path("gold")))
 
 
 def _start_engine_early(cfg: Config, tokenizer, prompts, reward: RewardSpec, process) -> Engine | None:
@@ -302,11 +304,10 @@ def _setup_optimization(c: TrainConfig, model: nn.Module, sizes: Sizes):
 
 def load_rl_prompts(cfg: Config, tokenizer) -> list[list[int]]:
     """The RL prompts as token ids, those that don't fit the context dropped (batch_prompts draws from them)."""
-    from rlhf.data.schemas import Prompts
-    from rlhf.data.splits import load_split
+    from rlhf.data.splits import load_task_split
 
-    df = load_split(cfg.path("prepared"), "rl_prompts", Prompts)
-    ids = tokenizer(list(df["prompt"]), add_special_tokens=True)["input_ids"]
+    df = load_task_split(cfg.path("prepared"), "rl_prompts", cfg.data.source)
+    ids = encode_prompts(tokenizer, list(df["prompt"]), cfg.data.chat_template)
     room = cfg.model.max_position_embeddings - cfg.train.response_length if cfg.model.source == "tiny" else None
     kept = [p for p in ids if 0 < len(p) and (room is None or len(p) <= room)]
     if not kept:
