@@ -324,7 +324,7 @@ class EvalConfig(_Section):
         "hf", description="what samples the policy and the SFT model: hf generate, or a vLLM engine per model"
     )
     pass_k: int = Field(
-        4, gt=0, description="math: samples per problem at train.temperature for pass@k (and the KL to the SFT policy)"
+        4, gt=0, description="math: samples per problem at train.temperature for pass@k (the first one's KL to SFT)"
     )
 
 

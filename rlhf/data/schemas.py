@@ -128,7 +128,7 @@ class MathProblems(_Strict):
 
 class MathResults(_Strict):
     """One held-out problem for one policy: its near-greedy answer is correct (1/0), the fraction of its eval.pass_k
-    samples (train.temperature) that are, and their mean KL to the SFT policy (nats)."""
+    samples (train.temperature) that are, and the KL of the first of them to the SFT policy (nats)."""
 
     prompt_id: Series[int] = pa.Field(ge=0)
     model: Series[str] = _text()

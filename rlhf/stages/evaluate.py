@@ -12,7 +12,7 @@ prompt and policy).
 
 The math task (data.source: math) has the rule verifier for gold and no proxy RM: its exact-match accuracy of the
 near-greedy answers (overall and by difficulty), pass@k over eval.pass_k samples at train.temperature and the KL on
-those samples; its frontier's win-rate vs SFT counts a problem the policy gets right and the SFT policy wrong as
+the first of them; its frontier's win-rate vs SFT counts a problem the policy gets right and the SFT policy wrong as
 a win, both right or both wrong as a tie (0.5 + accuracy gain / 2). data/eval then holds MathResults.
 """
 
@@ -41,9 +41,10 @@ def win_rate(a: np.ndarray, b: np.ndarray) -> float:
 def kl_and_scores(
     policy, sft, reward, tokenizer, prompts: list[list[int]], cfg: Config, device, engine=None, k: int = 1
 ) -> tuple[np.ndarray, ...]:
-    """Per sample (k per prompt, prompt-major): sequence KL(policy || sft) (empty without `sft`) and its `reward`
-    (a reward function, rlhf.rewards.proxy), on the policy's own samples at train.temperature. The models live on
-    `device`; `engine` samples the policy (None: HF generate)."""
+    """On the policy's own samples at train.temperature, k per prompt: per prompt, the sequence KL(policy || sft) of
+    its first sample (empty without `sft`: two forwards a prompt, whatever k), and per sample (prompt-major) its
+    `reward` (a reward function, rlhf.rewards.proxy). The models live on `device`; `engine` samples the policy
+    (None: HF generate)."""
     params = SamplingParams(k=k, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.train.temperature)
     kls, proxies = [], []
     batches = sample(
@@ -51,9 +52,10 @@ def kl_and_scores(
     )
     for s in batches:
         b = s.batch
-        inputs = (b.sequences, b.attn, b.positions, b.context, cfg.train.temperature)
+        first = slice(None, None, k)  # each prompt's first sample
+        inputs = (b.sequences[first], b.attn[first], b.positions[first], b.context, cfg.train.temperature)
         if sft is not None:
-            kl = (response_logprobs(policy, *inputs) - response_logprobs(sft, *inputs)) * b.response_mask
+            kl = (response_logprobs(policy, *inputs) - response_logprobs(sft, *inputs)) * b.response_mask[first]
             kls.append(kl.sum(1))
         proxies.append(s.scores)
     return (torch.cat(kls).cpu().numpy() if kls else np.zeros(0)), torch.cat(proxies).cpu().numpy()
@@ -75,7 +77,7 @@ def run(cfg: Config) -> dict:
     k = cfg.eval.pass_k if math else 1
     sft = load_causal_lm(cfg.path("sft")).to(device)
     ids, policies = encode_prompts(tokenizer, list(prompts["prompt"]), cfg.data.chat_template), models(cfg)
-    kl, scores = {"sft": np.zeros(len(prompts) * k)}, {}  # the SFT policy's KL to itself is 0
+    kl, scores = {"sft": np.zeros(len(prompts))}, {}  # the SFT policy's KL to itself is 0
     for name, (folder, _) in policies.items():
         policy, kl_to = (sft, None) if name == "sft" else (load_causal_lm(folder).to(device), sft)
         torch.manual_seed(cfg.seed)  # a model's samples must not depend on how much randomness the others used
@@ -194,7 +196,7 @@ def _verifier(cfg: Config):
 
 def _write_math(cfg: Config, prompts: pd.DataFrame, responses: dict, sampled: dict, kl: dict, episodes: dict) -> dict:
     """prompts: eval_prompts (MathProblems); responses: model -> near-greedy texts in prompt order; sampled: model ->
-    (n * k,) 0/1 of its samples, prompt-major; kl: model -> (n * k,) KL to the SFT policy; episodes: model -> episode.
+    (n * k,) 0/1 of its samples, prompt-major; kl: model -> (n,) KL to the SFT policy; episodes: model -> episode.
     Writes the stage's outputs, returns the metrics."""
     from rlhf.data.schemas import MathResults, validate
     from rlhf.rewards.rule import rule_score
@@ -226,7 +228,7 @@ def _write_math(cfg: Config, prompts: pd.DataFrame, responses: dict, sampled: di
                     "model": m,
                     "correct": right[m].astype(int),
                     "samples_correct": per_problem[m].mean(1).astype(float),
-                    "kl": kl[m].reshape(n, k).mean(1).astype(float),
+                    "kl": kl[m].astype(float),
                 }
             )
             for m in episodes
