@@ -3,8 +3,10 @@ greedy, with and without its chat template, by difficulty.
 
 Usage:
     .venv/bin/python -m rlhf.runtime python bench/math_baseline.py [--problems 300] [--max-new-tokens 128]
-Problems: rlhf.data.math (seed 99, disjoint from nothing yet: the task is not in the pipeline); answers read by
-rlhf.rewards.rule. Prints the accuracy table and a few outputs; writes bench/metrics/math_baseline.json.
+Problems: rlhf.data.math (seed 99: other problems than the pipeline's, whose seed is params.yaml's); answers read
+by rlhf.rewards.rule. The metrics file holds the figures of the instruction as it was then ("Solve the problem. End
+with 'The answer is N.'"); the pipeline's evaluate stage measures the profile's own SFT policy.
+Prints the accuracy table and a few outputs; writes bench/metrics/math_baseline.json.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ from common import cpu_flags  # bench/ is sys.path[0]
 from engines import model_folder
 
 ROOT = Path(__file__).resolve().parent.parent
-INSTRUCTION = "Solve the problem. End with 'The answer is N.'"
 
 
 def prompts_for(tokenizer, questions: list[str], chat: bool) -> list[list[int]]:
-    """Token ids: the tokenizer's chat template around the question (a user turn), or the raw question."""
+    """Token ids: the task's prompts (question + instruction) in the tokenizer's chat template, as the pipeline
+    encodes them, or in a plain "Question: ... Answer:" frame."""
+    from rlhf.data.math import INSTRUCTION
+    from rlhf.models.loading import encode_prompts
+
     if chat:
-        turns = [[{"role": "user", "content": f"{q} {INSTRUCTION}"}] for q in questions]
-        template = dict(add_generation_prompt=True, tokenize=True, return_dict=False)
-        return [tokenizer.apply_chat_template(t, **template) for t in turns]
+        return encode_prompts(tokenizer, [f"{q} {INSTRUCTION}" for q in questions], "auto")
     return tokenizer([f"Question: {q} {INSTRUCTION}\nAnswer:" for q in questions])["input_ids"]
 
 

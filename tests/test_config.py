@@ -12,7 +12,7 @@ from rlhf.config import Config, ConfigError, load_config, profiles
 from rlhf.presets import ENGINES, PRESETS
 
 
-@pytest.mark.parametrize("profile", ["tiny", "smollm2", "pythia-tldr", "ci"])
+@pytest.mark.parametrize("profile", ["tiny", "smollm2", "smollm2-math", "pythia-tldr", "ci"])
 def test_every_profile_loads_and_validates(profile):
     cfg = load_config(PARAMS, profile)
     assert cfg.profile == profile
@@ -24,7 +24,7 @@ def test_every_profile_loads_and_validates(profile):
 
 
 def test_profiles_listed():
-    assert profiles(PARAMS) == ["ci", "pythia-tldr", "smollm2", "tiny"]
+    assert profiles(PARAMS) == ["ci", "pythia-tldr", "smollm2", "smollm2-math", "tiny"]
 
 
 def test_default_profile_comes_from_params_and_top_level_sections_win_over_the_profile():
@@ -70,7 +70,7 @@ def test_bad_values_fail_at_load_time_naming_the_key(override, message):
 
 def test_unknown_profile_lists_the_valid_ones():
     with pytest.raises(
-        ConfigError, match="unknown profile 'nope'; valid profiles in .*: ci, pythia-tldr, smollm2, tiny"
+        ConfigError, match="unknown profile 'nope'; valid profiles in .*: ci, pythia-tldr, smollm2, smollm2-math, tiny"
     ):
         load_config(PARAMS, "nope")
 
@@ -198,7 +198,7 @@ def test_every_setting_is_read_by_some_code():
     assert unread == []
 
 
-@pytest.mark.parametrize("profile", ["tiny", "smollm2", "pythia-tldr", "ci"])
+@pytest.mark.parametrize("profile", ["tiny", "smollm2", "smollm2-math", "pythia-tldr", "ci"])
 def test_profiles_list_only_what_differs_from_the_defaults(profile):
     raw = yaml.safe_load(PARAMS.read_text())["profiles"][profile]
     fields = dict(_fields())
