@@ -212,7 +212,7 @@ def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
         return reward_fn, reward_fn
     if c.reward == "rule":
         return reward_fn, RewardSpec.of(cfg, format_bonus=0.0).build()
-    if not cfg.path("gold").exists():
+    if c.reward != "gold" and not cfg.path("gold").exists():
         return reward_fn, None  # no judge: skip importing scikit-learn (~100 MB of RSS)
     from rlhf.rewards.gold import GoldJudge
 
