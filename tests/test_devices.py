@@ -66,7 +66,7 @@ def test_the_stages_put_their_models_and_batches_on_the_device(ci_data):
     parts run here on the session's pairs.)"""
     from rlhf.data.schemas import PreferencePairs
     from rlhf.data.splits import load_split
-    from rlhf.models.loading import load_causal_lm, load_tokenizer, reward_model_from_causal
+    from rlhf.models.loading import encode_prompts, load_causal_lm, load_tokenizer, reward_model_from_causal
     from rlhf.stages import evaluate, generate, reward
 
     cfg = ci_config(ci_data)
@@ -74,6 +74,7 @@ def test_the_stages_put_their_models_and_batches_on_the_device(ci_data):
     pairs = load_split(ci_data / "reward" / "pairs", "train", PreferencePairs)
     for side in ("chosen", "rejected"):
         pairs[f"{side}_ids"] = tokenizer(list(pairs[side]), add_special_tokens=False)["input_ids"]
+    pairs["prompt_ids"] = encode_prompts(tokenizer, list(pairs["prompt"]), cfg.data.chat_template)
     pairs = pairs[[len(c) > 0 and len(r) > 0 for c, r in zip(pairs["chosen_ids"], pairs["rejected_ids"])]]
     with training_device_elsewhere() as device:
         prompts = list(load_split(ci_data / "prepared", "reward_prompts")["prompt"])[:8]

@@ -41,6 +41,7 @@ def sh(*cmd, cwd, check=True):
 
 def pipeline_repo(repo, dvc_cache, params_text: str):
     """A git + DVC repository of the project's pipeline at `repo` with `params_text` as params.yaml, reproduced."""
+    repo.mkdir(parents=True, exist_ok=True)
     for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(ROOT / name, repo / name)
     # the stages depend on their code (dvc.yaml deps): the repo carries a copy, the venv runs the same code
