@@ -78,6 +78,18 @@ def checks(data: Path, gpus: int, vllm_cuda: bool) -> list[tuple[str, list[str]]
     shallow += ["reward.engine=vllm"] if vllm_cuda else []  # replaces the RM the checks above used
     out.append(("stage reward shallow, fitted head", [*cli, "reward", *shallow, *common]))
     out.append(("train rloo on the shallow RM", [*cli, "train", "--trainer", "rloo", *common]))
+    return out + _math_task(cli, data / "math", vllm_cuda)
+
+
+def _math_task(cli: list[str], data: Path, vllm_cuda: bool) -> list[tuple[str, list[str]]]:
+    """The math task in a folder of its own: the rule reward scored in the learner (HF generate), evaluated, then
+    (vLLM on CUDA) GRPO again with the rule scored in the async engine's process, beside the engine."""
+    common = [f"data_dir={data}", "tracking.wandb_mode=disabled", "data.source=math", "train.reward=rule"]
+    stages = ("prepare", "gold", "sft", "reward", "train", "generate", "evaluate")
+    out = [(f"math: stage {s}", [*cli, s, *common, "train.trainer=grpo"]) for s in stages]
+    if vllm_cuda:
+        engine = ["train.engine=vllm_async", "train.score_in_engine=always"]
+        out.append(("math: train grpo async, the rule scored in the engine", [*cli, "train", *common, *engine]))
     return out
 
 
