@@ -216,3 +216,15 @@ def test_sft_on_plain_texts_is_refused_for_a_model_in_its_chat_template(ci_stage
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "rlhf sft: error: sft.train: the SFT texts are plain text" in proc.stderr
     assert "data.chat_template: none" in proc.stderr and not (tmp_path / "data" / "sft").exists()
+
+
+def test_a_tokenizer_that_encodes_two_problems_alike_is_refused_not_guessed(tmp_path):
+    """A vocabulary without the numbers makes "has 3 apples" and "has 4 apples" one token sequence: the reward
+    could not tell which answer a sample is for, so it refuses to start."""
+    data = tmp_path / "data"
+    cfg = ci_config(data, *MATH)
+    prepare.run(cfg)
+    texts = load_split(data / "prepared", "sft", SFTExamples)["text"].tolist()
+    train_word_tokenizer(texts, vocab_size=40).save_pretrained(data / "sft")  # the most frequent words only
+    with pytest.raises(ValueError, match="encodes problems with other answers alike"):
+        RewardSpec.of(cfg).build()

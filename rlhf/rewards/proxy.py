@@ -125,9 +125,14 @@ class RewardSpec:
         from rlhf.models.loading import encode_prompts, load_tokenizer
 
         tokenizer = load_tokenizer(Path(self.tokenizer_folder))
-        answers = {}
+        answers: dict[tuple[int, ...], str] = {}
         for split in ("rl_prompts", "eval_prompts"):
             df = load_task_split(Path(self.folder), split, "math")
             ids = encode_prompts(tokenizer, list(df["prompt"]), self.chat_template)
-            answers.update({tuple(p): a for p, a in zip(ids, df["answer"])})
+            for prompt, ids_, answer in zip(df["prompt"], ids, df["answer"]):
+                if answers.setdefault(tuple(ids_), answer) != answer:  # e.g. numbers the vocabulary lacks
+                    raise ValueError(
+                        f"rule reward: the tokenizer in {self.tokenizer_folder} encodes problems with other answers "
+                        f"alike, e.g. {prompt!r}; it cannot tell which answer a sample is for"
+                    )
         return answers
