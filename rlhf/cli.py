@@ -115,8 +115,10 @@ def record_stage_cost(stage: str, profile: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`rlhf ...`: the exit status. A rank of a distributed launch (WORLD_SIZE > 1) leaves through `_leave`."""
+    from rlhf import runtime
+
     code = _run(argv)
-    if os.environ.get("WORLD_SIZE", "1") not in ("", "1"):
+    if runtime.env_int("WORLD_SIZE", 1, minimum=1) > 1:
         _leave(code)
     return code
 

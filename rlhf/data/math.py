@@ -104,5 +104,10 @@ def build_splits(data, seed: int) -> dict[str, pd.DataFrame]:
         splits[name] = df.iloc[start : start + n].reset_index(drop=True)
         start += n
     sft = splits.pop("sft")
-    splits["sft"] = pd.DataFrame({"text": sft["prompt"] + " The answer is " + sft["answer"] + "."})
+    splits["sft"] = pd.DataFrame({"text": worked(sft["prompt"], sft["answer"])})
     return splits
+
+
+def worked(prompts: pd.Series, answers: pd.Series) -> pd.Series:
+    """Each prompt followed by its answer as the instruction asks: the task's SFT texts."""
+    return prompts + " The answer is " + answers + "."

@@ -52,12 +52,13 @@ def run(cfg: Config) -> dict:
 
 
 def _rule_judge(cfg: Config) -> dict:
+    from rlhf.data.math import worked
     from rlhf.rewards.rule import RULE_JUDGE, rule_score
 
     rl = load_task_split(cfg.path("prepared"), "rl_prompts", cfg.data.source)
-    worked = [f"{p} The answer is {a}." for p, a in zip(rl["prompt"], rl["answer"])]
-    correct = [rule_score(text, answer) for text, answer in zip(worked, rl["answer"])]
-    metrics = {"judge": "rule", "verifier_reads_worked_answers": sum(correct) / len(correct), "n_texts": len(worked)}
+    texts = worked(rl["prompt"], rl["answer"])
+    correct = [rule_score(text, answer) for text, answer in zip(texts, rl["answer"])]
+    metrics = {"judge": "rule", "verifier_reads_worked_answers": sum(correct) / len(correct), "n_texts": len(texts)}
     with atomic_dir(cfg.path("gold")) as tmp:
         write_json(tmp / "rule.json", RULE_JUDGE)
         write_json(cfg.path("metrics", "gold.json"), metrics)

@@ -28,7 +28,7 @@ from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
 from rlhf.models.loading import encode_prompts, load_tokenizer
 from rlhf.models.lora import AdaptersOff, add_adapters
 from rlhf.presets import resolve
-from rlhf.rewards.proxy import GoldReward, RewardSpec
+from rlhf.rewards.proxy import GoldReward, RewardSpec, RuleReward
 from rlhf.runtime import env_int
 from rlhf.trainers.early import own_process_engine
 from rlhf.trainers.objectives import OBJECTIVES, Objective
@@ -210,6 +210,8 @@ def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
     reward_fn = None if _scoring_side(c, engine_name) == "always" else reward.build()
     if isinstance(reward_fn, GoldReward):
         return reward_fn, reward_fn
+    if isinstance(reward_fn, RuleReward):  # the same problems without the format bonus: no second lookup table
+        return reward_fn, RuleReward(reward_fn.answers)
     if c.reward == "rule":
         return reward_fn, RewardSpec.of(cfg, format_bonus=0.0).build()
     if c.reward != "gold" and not cfg.path("gold").exists():
