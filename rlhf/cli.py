@@ -142,7 +142,8 @@ def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupted)  # a supervisor's stop cleans up like Ctrl-C: temp outputs removed
     try:
-        runtime.configure()  # inside the try: Ctrl-C during start-up (importing torch) is an interrupt too
+        # torch is imported only once a stage is about to run: `rlhf config` and a bad input answer at once
+        runtime.configure_environment()
         if args.command == "profiles":
             from rlhf.config import profiles
 
@@ -163,6 +164,7 @@ def _run(argv: list[str] | None) -> int:
         outputs = [cfg.path(STAGE_OUTPUTS[args.command]), cfg.path("metrics"), cfg.path("plots")]
         check_writable(outputs + ([cfg.path("checkpoints")] if args.command == "train" else []))
         built_with.check_inputs(cfg, args.command)
+        runtime.configure_torch()  # inside the try: Ctrl-C while importing torch is an interrupt too
         with stage_lock(lock_file(cfg.data_dir, args.command), args.command, cfg.data_dir, runtime.env_int("RANK", 0)):
             importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
             if runtime.env_int("RANK", 0) == 0:

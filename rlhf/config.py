@@ -53,7 +53,7 @@ class DataConfig(_Section):
     prompt_words: int = Field(8, gt=0, description="opening words of a review that form the prompt")
     reference_words: int = Field(24, gt=0, description="words of the real continuation kept as the reference")
     sft_words: int = Field(48, gt=0, description="words of each review used as an SFT text")
-    n_sft: int = Field(20000, gt=0, description="SFT texts")
+    n_sft: int = Field(20000, gt=0, description="SFT examples (texts; math: prompt/completion pairs)")
     n_reward_prompts: int = Field(2048, gt=0, description="prompts whose sampled pairs train the proxy reward model")
     n_rl_prompts: int = Field(4096, gt=0, description="prompts for online RL")
     n_eval_prompts: int = Field(256, gt=0, description="held-out prompts for generate/evaluate")
@@ -114,11 +114,11 @@ class SFTConfig(_Section):
     """Stage `sft`: optional causal-LM fine-tuning on review text (the tiny profile trains from scratch)."""
 
     train: bool = Field(True, description="false = use the loaded checkpoint as the SFT policy unchanged")
-    epochs: float = Field(1.0, gt=0, description="passes over data.n_sft texts")
-    batch_size: int = Field(32, gt=0, description="texts per optimizer step")
+    epochs: float = Field(1.0, gt=0, description="passes over the data.n_sft examples")
+    batch_size: int = Field(32, gt=0, description="examples per optimizer step")
     learning_rate: float = Field(3e-3, gt=0, description="peak AdamW learning rate (linear warmup, then decay)")
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="fraction of the steps spent warming up")
-    max_length: int = Field(64, gt=0, description="tokens per SFT text")
+    max_length: int = Field(64, gt=0, description="tokens per SFT example, prompt and EOS included")
     heldout_texts: int = Field(
         256,
         ge=0,

@@ -17,7 +17,6 @@ OFFLINE_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DVC_NO_ANALYTICS": "1",
     "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
     "DO_NOT_TRACK": "1",
@@ -48,23 +47,45 @@ CACHE_ENV = {
 
 
 def configure() -> None:
-    """Set the offline/quiet environment (without overriding what the user set) and one torch thread.
+    """Set the offline/quiet environment (without overriding what the user set), then torch's backend settings.
 
     GPU users who want the hub set HF_HUB_OFFLINE=0; W&B runs offline unless WANDB_API_KEY is set
     (rlhf/tracking.py).
     """
+    configure_environment()
+    configure_torch()
+
+
+def configure_environment() -> None:
+    """The offline/quiet environment and the project-local caches, without importing torch."""
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
     if "RAY_ADDRESS" not in os.environ:  # no Ray cluster to join: a local one binds 127.0.0.1 only (ray_engines)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     for key, sub in CACHE_ENV.items():
         os.environ.setdefault(key, str(CACHE / sub))
+
+
+def configure_torch() -> None:
+    """DeepSpeed's accelerator and one torch thread: imports torch (seconds; a minute or more on a slow box)."""
     import torch
 
     if not torch.cuda.is_available():  # DeepSpeed finds CUDA by itself; on a CPU-only box it must be told
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":  # set by `accelerate launch`
+            _skip_deepspeed_shm_op()
     # Two threads per worker are many times slower on the 2-core machines than one.
     torch.set_num_threads(env_int("RLHF_TORCH_THREADS", 1, minimum=1))
+
+
+def _skip_deepspeed_shm_op() -> None:
+    """DeepSpeed on CPU compiles a shared-memory all-reduce (C++) when its process group starts, for its
+    tensor-parallel inference (inference_all_reduce) only: ZeRO training reduces through torch.distributed (gloo)
+    either way. The build took 40 s on a fast box and over 25 min on a slow one, and a build killed half-way left a
+    lock file that every later run waited on forever, silently. DeepSpeed skips an op marked incompatible."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # ShareMemCommBuilder.NAME
 
 
 def env_int(name: str, default: int, minimum: int = 0) -> int:
@@ -108,7 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    configure()
+    # No torch here: its settings belong to the process that imports it (rlhf.cli's stages set them), and importing
+    # it only to exec the command took 2.5 min on a slow box (three times in `make test`).
+    configure_environment()
     venv_bin = str(Path(sys.executable).parent)
     os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     if not argv:

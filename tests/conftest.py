@@ -1,4 +1,5 @@
 import hashlib
+import multiprocessing.spawn
 import os
 import shutil
 import socket
@@ -6,14 +7,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+if os.environ.get("RLHF_WARM_PYTHON") == sys.executable:  # a pytest-xdist worker forked from the warm server
+    sys.executable = os.environ["RLHF_WARM_REAL_PYTHON"]  # tests start the real one unless they ask for warm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rlhf import runtime  # noqa: E402
 
-runtime.configure()
+runtime.configure_environment()  # torch's settings in pytest_configure: pytest-xdist's controller imports no torch
+# Hang guards, not speed limits: on a slow 2-core box two vLLM engines building side by side took ~10 min (default
+# limit 600 s) and a Prefect server over 2 min to answer (default 120 s); pytest's 900 s per test stops a real hang.
+os.environ.setdefault("RLHF_ENGINE_START_TIMEOUT", "870")
+os.environ.setdefault("RLHF_SERVER_START_TIMEOUT", "600")
 
 import pytest  # noqa: E402
+import warm  # noqa: E402
 
 from rlhf.config import load_config  # noqa: E402
 
@@ -27,22 +35,49 @@ def ci_config(data_dir, *overrides):
 
 
 def rlhf_command(*args, params=PARAMS, launcher=()) -> list[str]:
-    """`rlhf --params PARAMS ARGS...` as a command line; under `launcher` (e.g. `accelerate_launch(...)`,
-    `torchrun ...`) it runs in the project's environment (rlhf.runtime) as `make` would start it."""
+    """`rlhf --params PARAMS ARGS...` as a command line of a fresh interpreter (tests about the process: its pid,
+    its children, its signals); under `launcher` (e.g. `accelerate_launch(...)`) it runs in the project's
+    environment (rlhf.runtime) as `make` would start it, the launcher and its ranks warm (tests/warm.py)."""
     cli = ["-m", "rlhf.cli", "--params", str(params), *args]
-    return [sys.executable, "-m", "rlhf.runtime", *launcher, *cli] if launcher else [sys.executable, *cli]
+    return [str(warm.start()), "-m", "rlhf.runtime", *launcher, *cli] if launcher else [sys.executable, *cli]
 
 
 def accelerate_launch(zero: str, processes: int = 2) -> list[str]:
-    """accelerate launch with configs/<zero>.yaml (DeepSpeed ZeRO-2/3) and `processes` training processes."""
+    """accelerate launch with configs/<zero>.yaml (DeepSpeed ZeRO-2/3) and `processes` training processes, their
+    rendezvous on a free port (two launches on the default 29500 at once: EADDRINUSE)."""
     config = str(ROOT / "configs" / f"{zero}.yaml")
-    return ["accelerate", "launch", "--config_file", config, "--num_processes", str(processes)]
+    port = ["--main_process_port", str(free_port())]
+    return ["accelerate", "launch", "--config_file", config, "--num_processes", str(processes), *port]
 
 
-def run_cli(*args, params=PARAMS, timeout=120, env=None):
-    """`rlhf --params PARAMS ARGS...` in a fresh process, as a user runs it (exit status and stderr are checked)."""
-    cmd = rlhf_command(*args, params=params)
+# A hang guard for a command a test starts, not a speed limit: a bare `rlhf sft` that only reports a missing input
+# took over 120 s to start on a slow box (imports at ~0.1 GB/s of first-touched memory); pytest's 900 s backstops it.
+COMMAND_TIMEOUT = 600
+
+
+def run_cli(*args, params=PARAMS, timeout=COMMAND_TIMEOUT, env=None):
+    """`rlhf --params PARAMS ARGS...` in a process of its own, as a user runs it (exit status and stderr are
+    checked), forked with the stages' libraries already imported (tests/warm.py)."""
+    cmd = [str(warm.start()), "-m", "rlhf.cli", "--params", str(params), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def pytest_configure(config):
+    worker = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    if worker or not config.getoption("numprocesses", None):  # a process that runs tests
+        runtime.configure_torch()
+    if not worker:  # one warm server for the session; pytest-xdist's workers fork from it too, so collecting the
+        python = warm.start()  # tests imports nothing new (three processes importing torch and vLLM at once: 16 min)
+        tx = getattr(config.option, "tx", None)  # pytest-xdist's, when it is on
+        if tx and set(tx) == {"popen"}:
+            config.option.tx = [f"popen//python={python}"] * len(tx)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def warm_processes():
+    """The processes tests start (rlhf commands, accelerate launches, vLLM's spawned engine process) fork from a
+    server with their libraries imported (tests/warm.py); it starts importing now, beside the first tests."""
+    multiprocessing.spawn.set_executable(str(warm.start()))
 
 
 def folder_digest(folder: Path) -> str:
@@ -71,7 +106,7 @@ def isolated_env(home: Path) -> dict:
     }
 
 
-def run_ok(cmd: list[str], cwd: Path, env: dict, timeout: float = 60) -> str:
+def run_ok(cmd: list[str], cwd: Path, env: dict, timeout: float = COMMAND_TIMEOUT) -> str:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd}: {proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
@@ -153,3 +188,24 @@ def ci_data(ci_stages, tmp_path):
     data_dir = tmp_path / "data"
     shutil.copytree(ci_stages, data_dir)
     return data_dir
+
+
+_seconds: dict[str, dict[str, float]] = {}  # test -> phase (setup, call, teardown) -> seconds
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_teststatus(report, config):
+    """`-v` lines (CI's) carry the test's time, setup included, and a failure's one-line reason: a run CI stops at
+    its time limit never reaches the summary at the end, where pytest prints both."""
+    category, letter, word = yield
+    # set, not added: the hook runs again for the same report in the summary
+    _seconds.setdefault(report.nodeid, {})[report.when] = getattr(report, "duration", 0.0)
+    if not isinstance(word, str | tuple) or not word or (report.when != "call" and not report.failed):
+        return category, letter, word
+    text, markup = (word, {}) if isinstance(word, str) else word
+    text = f"{text} {sum(_seconds[report.nodeid].values()):.0f}s"
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        reason = crash.message if crash is not None else (str(report.longrepr).strip().splitlines() or [""])[-1]
+        text += f" ({' '.join(reason.split())[:300]})"
+    return category, letter, (text, markup) if markup else text

@@ -27,6 +27,7 @@ import torch
 import wandb
 from accelerate import Accelerator
 from conftest import (
+    COMMAND_TIMEOUT,
     PARAMS,
     ROOT,
     ci_config,
@@ -91,12 +92,12 @@ def test_sigterm_stops_a_stage_like_ctrl_c(ci_data):
     settings = ["tracking.wandb_mode=disabled", "train.total_episodes=800", "train.save_every=1"]
     cmd = rlhf_command("--profile", "ci", "train", f"data_dir={ci_data}", *settings)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
+    deadline = time.time() + COMMAND_TIMEOUT
     while not (ci_data / "checkpoints").exists() and time.time() < deadline:  # training is under way
         assert proc.poll() is None
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=COMMAND_TIMEOUT)
     assert proc.returncode == 130 and "interrupted" in err
     assert not (ci_data / "train" / "policy").exists() and not (ci_data / "metrics" / "train.json").exists()
 
@@ -138,9 +139,7 @@ def stopped_run(ci_stages, tmp_path_factory):
     data = tmp_path_factory.mktemp("stopped") / "data"
     shutil.copytree(ci_stages, data)
     env = {**os.environ, "RLHF_CRASH_AT": "after_update:1"}  # SIGKILL, as an OOM kill would (rlhf.runtime)
-    proc = run_cli(
-        "--profile", "ci", "train", f"data_dir={data}", "tracking.wandb_mode=disabled", *STOPPED, env=env, timeout=300
-    )
+    proc = run_cli("--profile", "ci", "train", f"data_dir={data}", "tracking.wandb_mode=disabled", *STOPPED, env=env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     [ckpt_dir] = (data / "checkpoints").iterdir()
     # batch 0's checkpoint, and its policy kept for the frontier (train.eval_checkpoints: batches 1 and 2 of 3)
@@ -215,6 +214,11 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
         wandb_mode("offline", {"WANDB_MODE": "offlne"})
     for variable, value, message in [
         ("PREFECT_PORT", "42OO", "environment variable PREFECT_PORT='42OO': expected an integer >= 1"),
+        (
+            "RLHF_SERVER_START_TIMEOUT",
+            "0",
+            "environment variable RLHF_SERVER_START_TIMEOUT='0': expected an integer >= 1",
+        ),
         ("PREFECT_LOGGING_LEVEL", "LOUD", "Prefect setting PREFECT_LOGGING_LEVEL='LOUD': Input should be 'DEBUG', "),
         ("PREFECT_SERVER_API_PORT", "x", "Prefect setting PREFECT_SERVER_API_PORT='x': Input should be a valid int"),
     ]:
@@ -224,7 +228,7 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
             env={**os.environ, "PREFECT_UNRELATED": value, variable: value},  # the variable, not its value, is named
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=COMMAND_TIMEOUT,
         )
         assert serve.returncode == 2, serve.stderr[-2000:]
         assert serve.stderr.strip().splitlines()[-1].startswith(f"python -m flows.deployments: error: {message}")
@@ -237,7 +241,7 @@ def test_a_ray_address_nothing_answers_is_one_line_naming_it(ci_data):
     port = free_port()  # nothing listens there
     proc = run_cli(
         "--profile", "ci", "train", f"data_dir={ci_data}", "train.trainer=online_dpo_vllm",
-        "train.engine_backend=ray", env={**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"}, timeout=120,
+        "train.engine_backend=ray", env={**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}"},
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-2000:]
     [line] = [x for x in proc.stderr.strip().splitlines() if x.startswith("rlhf train: error:")]
@@ -248,9 +252,7 @@ def test_a_ray_address_nothing_answers_is_one_line_naming_it(ci_data):
 def test_wandb_online_without_a_key_is_one_line(ci_data, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), WANDB_DIR=str(tmp_path / "wandb"), WANDB_CONFIG_DIR=str(tmp_path / "config"))
-    proc = run_cli(
-        "--profile", "ci", "train", f"data_dir={ci_data}", "tracking.wandb_mode=online", env=env, timeout=300
-    )
+    proc = run_cli("--profile", "ci", "train", f"data_dir={ci_data}", "tracking.wandb_mode=online", env=env)
     assert proc.returncode == 1, proc.stderr[-2000:]
     [line] = [x for x in proc.stderr.strip().splitlines() if x.startswith("rlhf train: error:")]
     assert "tracking.wandb_mode=online: W&B refused to start" in line and "set WANDB_API_KEY" in line
@@ -259,7 +261,7 @@ def test_wandb_online_without_a_key_is_one_line(ci_data, tmp_path):
 
 def test_a_stage_over_inputs_built_with_other_settings_names_the_stage_to_re_run(tmp_path):
     data = tmp_path / "data"
-    built = run_cli("--profile", "ci", "prepare", f"data_dir={data}", timeout=300)
+    built = run_cli("--profile", "ci", "prepare", f"data_dir={data}")
     assert built.returncode == 0, built.stderr[-2000:]
     assert json.loads((data / "prepared" / "built_with.json").read_text())["settings"]["data.n_sft"] == 400
     proc = run_cli("--profile", "ci", "gold", f"data_dir={data}", "data.n_sft=300")
@@ -290,13 +292,13 @@ def test_an_output_folder_that_cannot_be_written_stops_the_stage_before_it_start
 def test_a_stage_failing_at_its_last_write_keeps_its_previous_outputs_whole(tmp_path, stage, change):
     data = tmp_path / "data"
     for built in ("prepare", "gold")[: 1 + (stage == "gold")]:
-        assert run_cli("--profile", "ci", built, f"data_dir={data}", timeout=300).returncode == 0
+        assert run_cli("--profile", "ci", built, f"data_dir={data}").returncode == 0
     output = data / ("prepared" if stage == "prepare" else "gold")
     before = folder_digest(output)
     metrics = data / "metrics" / f"{stage}.json"
     metrics.unlink()
     metrics.mkdir()  # the stage's very last write fails, after all its work (no root-proof way to deny a write)
-    proc = run_cli("--profile", "ci", stage, f"data_dir={data}", change, timeout=300)
+    proc = run_cli("--profile", "ci", stage, f"data_dir={data}", change)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         f"rlhf {stage}: error: {metrics}: a folder is in the way of this file: move it away and re-run"
@@ -312,7 +314,7 @@ def test_a_second_run_of_a_stage_in_the_same_folder_is_refused_while_the_first_r
     first = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.DEVNULL)
     try:
         lock = lock_file(str(ci_data), "train")
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + COMMAND_TIMEOUT
         while not (lock.exists() and lock.read_text() == str(first.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
         second = run_cli("--profile", "ci", "train", *settings)
@@ -325,7 +327,7 @@ def test_a_second_run_of_a_stage_in_the_same_folder_is_refused_while_the_first_r
         first.kill()
         first.wait()
     # the killed run's lock is stale (the kernel released it): the next run takes it over
-    third = run_cli("--profile", "ci", "train", *settings, "train.total_episodes=8", timeout=300)
+    third = run_cli("--profile", "ci", "train", *settings, "train.total_episodes=8")
     assert third.returncode == 0, third.stderr[-2000:]
 
 
@@ -375,7 +377,6 @@ def test_disk_full_while_checkpointing_removes_the_partial_checkpoint(stopped, m
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
     repo = make_dvc_repo(tmp_path / "project")
     # DVC runs stages with $SHELL; unset (cron, CI), that is /bin/sh, which on Debian is dash: it forks rather
@@ -383,7 +384,7 @@ def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
     env = {**isolated_env(tmp_path), "SHELL": "/bin/sh"}
     params = repo / "params.yaml"
     params.write_text(re.sub(r"^profile: \S+", "profile: ci", params.read_text(), count=1, flags=re.M))
-    run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
+    run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env)
     run_ok(["git", "add", "-A"], repo, env)
     run_ok(["git", "commit", "-qm", "prepare"], repo, env)  # dvc.lock and the metrics file live in git
     lock, before = (repo / "dvc.lock").read_bytes(), folder_digest(repo / "data" / "prepared")
@@ -398,12 +399,13 @@ def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
         text=True,
         start_new_session=True,
     )
-    stage = _child(proc, lambda cmd: cmd[-1:] == ["prepare"] and any(a.endswith("/rlhf") for a in cmd), timeout=60)
-    with contextlib.suppress(psutil.NoSuchProcess):
-        while sum(stage.cpu_times()[:2]) < 2.0:  # mid-stage: well past start-up
+    stage = _child(proc, lambda cmd: cmd[-1:] == ["prepare"] and any(a.endswith("/rlhf") for a in cmd), COMMAND_TIMEOUT)
+    taken = lock_file(str(repo / "data"), "prepare")  # by `rlhf prepare` once its interrupt handling is on
+    with contextlib.suppress(psutil.NoSuchProcess):  # mid-stage: past its start-up on a box of any speed
+        while not (taken.exists() and taken.read_text() == str(stage.pid)) or sum(stage.cpu_times()[:2]) < 2.0:
             time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals DVC and the stage's process together
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=COMMAND_TIMEOUT)
     assert proc.returncode == 255, out
     assert "interrupted\nERROR: failed to reproduce 'prepare': failed to run: exec rlhf prepare, exited with 130" in out
     assert (repo / "dvc.lock").read_bytes() == lock  # the interrupted run is not recorded as done
@@ -414,7 +416,7 @@ def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
     run_ok(["dvc", "checkout", "prepare"], repo, env)
     run_ok(["git", "checkout", "--", "data/metrics"], repo, env)
     assert folder_digest(repo / "data" / "prepared") == before
-    assert "Running stage 'prepare'" in run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
+    assert "Running stage 'prepare'" in run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env)
     assert json.loads(run_ok(["dvc", "status", "--json", "prepare"], repo, env)) == {}
 
 
@@ -431,7 +433,7 @@ def prefect_server(tmp_path_factory):
         server = start_server(port, home / "server.log")
     try:
         try:
-            wait_healthy(env["PREFECT_API_URL"], server)
+            wait_healthy(env["PREFECT_API_URL"], server, COMMAND_TIMEOUT)
         except SystemExit as e:
             pytest.fail(f"{e}\n{(home / 'server.log').read_text()[-3000:]}")
         yield {"server": server, "port": port, "env": env}
@@ -439,8 +441,25 @@ def prefect_server(tmp_path_factory):
         stop_server(server)
 
 
+def test_a_prefect_server_that_does_not_answer_in_time_names_the_limit_and_is_stopped(tmp_path):
+    from flows.deployments import _port_in_use
+
+    port = free_port()
+    env = {**isolated_env(tmp_path), "RLHF_SERVER_START_TIMEOUT": "1", "PREFECT_PORT": str(port)}
+    serve = subprocess.run(
+        [sys.executable, "-m", "flows.deployments"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=COMMAND_TIMEOUT,
+    )  # fmt: skip
+    assert serve.returncode == 1, serve.stderr[-2000:]
+    assert serve.stderr.strip().splitlines()[-1] == (
+        f"prefect server did not answer http://127.0.0.1:{port}/api/health within 1 s (on a slow machine, set "
+        "RLHF_SERVER_START_TIMEOUT to more seconds)"
+    )
+    assert "stopping the prefect server..." in serve.stdout
+    assert not _port_in_use(port)  # nothing is left listening
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(200)
 def test_prefect_server_gone_mid_run_fails_the_run_and_touches_nothing(prefect_server, tmp_path):
     repo = make_dvc_repo(tmp_path / "project")
     (repo / "dvc.yaml").write_text((repo / "dvc.yaml").read_text().split("\n  gold:")[0] + "\n")  # prepare only: fast
@@ -463,9 +482,9 @@ def test_prefect_server_gone_mid_run_fails_the_run_and_touches_nothing(prefect_s
         start_new_session=True,
     )
     try:
-        _child(flow, lambda cmd: "repro" in cmd, timeout=120)  # the `prepare` task is running
+        _child(flow, lambda cmd: "repro" in cmd, COMMAND_TIMEOUT)  # the `prepare` task is running
         os.killpg(prefect_server["server"].pid, signal.SIGKILL)  # the server dies (crash, OOM kill, reboot)
-        out, _ = flow.communicate(timeout=120)
+        out, _ = flow.communicate(timeout=COMMAND_TIMEOUT)
     finally:
         if flow.poll() is None:
             os.killpg(flow.pid, signal.SIGKILL)
@@ -588,7 +607,6 @@ def test_params_have_no_secret_fields_and_the_resolved_config_no_secret_values(m
     assert [name for name, v in values.items() if v in proc.stdout + proc.stderr] == []
 
 
-@pytest.mark.timeout(120)
 def test_no_secret_from_the_environment_reaches_wandb_files(tmp_path, monkeypatch):
     values = _secret_env(monkeypatch)
     monkeypatch.setenv("WANDB_MODE", "offline")  # a key alone would switch the run online (rlhf.tracking)
@@ -626,7 +644,7 @@ def _table(section: str) -> list[str]:
     return rows[2:]  # header and separator
 
 
-def test_docs_tables_match_the_tests_one_to_one():
+def test_docs_tables_match_the_tests_one_to_one(request):
     rows = {section: _table(section) for section in ("Bad inputs", "Security defaults")}
     assert len(rows["Bad inputs"]) >= 15
     ids = []
@@ -637,15 +655,13 @@ def test_docs_tables_match_the_tests_one_to_one():
             ids += found
     assert len(set(ids)) == len(ids), "two rows name the same test"
     files = sorted({i.split("::")[0] for i in ids})
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    collected = set(proc.stdout.splitlines())
+    collected = {item.nodeid for item in request.session.items}  # every xdist worker collects the whole run
+    output = "this session's tests"
+    if not all(any(c.startswith(f"{f}::") for c in collected) for f in files):  # run on its own: collect them
+        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+        collected, output = set(proc.stdout.splitlines()), proc.stdout[-3000:] + proc.stderr[-3000:]
     collected |= {c.split("[")[0] for c in collected}  # a row may name a parametrized test as a whole
-    assert [i for i in ids if i not in collected] == [], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [i for i in ids if i not in collected] == [], output
     here = {name for name in globals() if name.startswith("test_")} - {"test_docs_tables_match_the_tests_one_to_one"}
     assert {i.split("::")[1].split("[")[0] for i in ids if i.startswith("tests/test_bad_inputs.py::")} == here

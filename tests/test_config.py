@@ -2,6 +2,8 @@
 
 import inspect
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -149,6 +151,19 @@ def test_cli_bad_input_exits_non_zero_with_the_key_in_the_message():
     )
     proc = run_cli("train", "train.trainer=nope")
     assert proc.returncode == 1 and "train.trainer" in proc.stderr
+
+
+def test_config_and_its_errors_answer_without_importing_torch():
+    """torch is imported only once a stage runs (a minute or more on a slow box): `rlhf config` and a bad key don't."""
+    probe = (
+        "import sys; from rlhf.cli import main; "
+        "codes = [main(['--params', sys.argv[1], '--profile', 'ci', 'config']), "
+        "main(['--params', sys.argv[1], '--profile', 'ci', 'train', 'train.lr=1'])]; "
+        "print(codes, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe, str(PARAMS)], cwd=ROOT, capture_output=True, text=True)
+    assert proc.stdout.strip().endswith("[0, 1] False"), proc.stderr[-2000:]
+    assert "train.lr: unknown key" in proc.stderr
 
 
 def test_cli_config_prints_the_resolved_values():

@@ -7,7 +7,7 @@ import os
 import pandas as pd
 import pytest
 import torch
-from conftest import ci_config
+from conftest import COMMAND_TIMEOUT, ci_config
 from device_guard import DeviceMismatch, training_device_elsewhere
 
 from rlhf.presets import PRESETS
@@ -136,6 +136,8 @@ def test_a_local_ray_cluster_hands_engines_only_the_gpus_after_the_training_rank
         "print(sorted(ray.get([seen.remote(), seen.remote()])), os.environ['CUDA_VISIBLE_DEVICES'])\n"
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "4,5,6"}
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "['5', '6'] 4,5,6"  # physical GPUs 5 and 6; rank 0 keeps 4

@@ -17,14 +17,14 @@ from conftest import ci_config, run_cli
 
 from rlhf.config import ConfigError
 from rlhf.data.math import INSTRUCTION, build_splits, problems
-from rlhf.data.schemas import DataError, MathProblems, SFTExamples, validate
-from rlhf.data.splits import load_split, split_schemas
+from rlhf.data.schemas import DataError, MathProblems, validate
+from rlhf.data.splits import load_task_split, split_schemas
 from rlhf.models.batch import assemble
-from rlhf.models.loading import encode_prompts, load_tokenizer
-from rlhf.models.tiny import train_word_tokenizer
+from rlhf.models.loading import encode_prompts, load_smollm2_tokenizer, load_tokenizer, save_pretrained
+from rlhf.models.tiny import build_tiny_model, train_word_tokenizer
 from rlhf.rewards.proxy import RewardSpec, RuleReward
 from rlhf.rewards.rule import final_answer, parse_answer, rule_score
-from rlhf.stages import prepare
+from rlhf.stages import prepare, sft
 from rlhf.stages.evaluate import summarise_math
 from rlhf.trainers.setup import load_rl_prompts
 
@@ -121,7 +121,7 @@ def test_the_schema_refuses_a_problem_whose_answer_is_missing_or_not_a_number(ch
 # --- the task in the pipeline: splits, the reward on a batch, chat-template prompts, evaluation arithmetic ---------
 
 
-def test_the_task_splits_are_disjoint_worked_and_match_their_schemas():
+def test_the_task_splits_are_disjoint_and_match_their_schemas():
     cfg = ci_config("unused", *MATH, "data.n_sft=30", "data.n_rl_prompts=40", "data.n_eval_prompts=20")
     splits = build_splits(cfg.data, cfg.seed)
     for name, schema in split_schemas("math").items():
@@ -129,8 +129,8 @@ def test_the_task_splits_are_disjoint_worked_and_match_their_schemas():
     assert {name: len(df) for name, df in splits.items()} == {"rl_prompts": 40, "eval_prompts": 20, "sft": 30}
     rl, ev = set(splits["rl_prompts"]["prompt"]), set(splits["eval_prompts"]["prompt"])
     assert not rl & ev and all(p.endswith(INSTRUCTION) for p in rl | ev)
-    assert not {t.rsplit(" The answer is", 1)[0] for t in splits["sft"]["text"]} & (rl | ev)
-    assert all(final_answer(t)[0] is not None for t in splits["sft"]["text"])  # each worked text ends in its answer
+    assert not set(splits["sft"]["prompt"]) & (rl | ev)
+    assert all(final_answer(t) == (Decimal(t[14:-1]), True) for t in splits["sft"]["completion"])  # "The answer is N."
 
 
 def _batch(prompts: list[list[int]], k: int, pad: int = 0):
@@ -166,7 +166,7 @@ def test_the_loop_and_the_rule_reward_encode_prompts_alike_with_a_chat_template(
     data = tmp_path / "data"
     cfg = ci_config(data, *MATH)
     prepare.run(cfg)
-    texts = load_split(data / "prepared", "sft", SFTExamples)["text"].tolist()
+    texts = sft.plain_texts(load_task_split(data / "prepared", "sft", "math"))
     tokenizer = train_word_tokenizer(texts, cfg.model.vocab_size)
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(data / "sft")
@@ -214,8 +214,46 @@ def test_sft_on_plain_texts_is_refused_for_a_model_in_its_chat_template(ci_stage
     shutil.copytree(ci_stages / "prepared", tmp_path / "data" / "prepared")
     proc = run_cli("--profile", "ci", "sft", *overrides)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "rlhf sft: error: sft.train: the SFT texts are plain text" in proc.stderr
+    assert "rlhf sft: error: sft.train: the SFT split is plain text" in proc.stderr
     assert "data.chat_template: none" in proc.stderr and not (tmp_path / "data" / "sft").exists()
+
+
+@pytest.mark.parametrize("chat_template", ["auto", "none"])
+def test_sft_pairs_put_the_prompt_as_the_loop_does_and_learn_the_completion_alone(chat_template):
+    """SmolLM2's own chat template: the prompt tokens are exactly the loop's (encode_prompts), the learnt tokens are
+    the completion and the end of the assistant's turn (its EOS, <|im_end|>), where RL samples must stop."""
+    tokenizer = load_smollm2_tokenizer()
+    pairs = pd.DataFrame(
+        {"prompt": ["Ana has 3 apples and gets 4 more. How many? " + INSTRUCTION], "completion": ["The answer is 7."]}
+    )
+    [seq], [n_prompt] = sft.encode_examples(tokenizer, pairs, max_length=200, chat_template=chat_template)
+    assert seq[:n_prompt] == encode_prompts(tokenizer, list(pairs["prompt"]), chat_template)[0]
+    learnt = tokenizer.decode(seq[n_prompt:])
+    assert learnt == ("" if chat_template == "auto" else " ") + "The answer is 7.<|im_end|>"
+    assert ("<|im_start|>assistant" in tokenizer.decode(seq[:n_prompt])) == (chat_template == "auto")
+    with pytest.raises(ConfigError, match=r"sft.max_length \(20\) leaves no completion token"):
+        sft.encode_examples(tokenizer, pairs, max_length=20, chat_template=chat_template)
+
+
+def test_sft_on_the_math_pairs_trains_a_model_in_its_chat_template(tmp_path):
+    """The sft stage on the math task with a chat template: not refused, and the tokens it learns are the
+    completions and EOS only (train_tokens), the prompts in the template."""
+    data = tmp_path / "data"
+    sizes = ("data.n_sft=40", "sft.epochs=1.0", "sft.max_length=128", "model.max_position_embeddings=128")
+    cfg = ci_config(data, *MATH, *sizes)
+    prepare.run(cfg)
+    pairs = load_task_split(data / "prepared", "sft", "math")
+    tokenizer = train_word_tokenizer(sft.plain_texts(pairs), cfg.model.vocab_size)
+    tokenizer.chat_template = TEMPLATE
+    model = tmp_path / "chat-model"
+    save_pretrained(build_tiny_model(cfg.model, tokenizer, cfg.seed), tokenizer, model)
+    chat = ci_config(data, *MATH, *sizes, "model.source=local", f"model.path={model}")
+    metrics = sft.run(chat)
+    train_rows = pairs.iloc[sft.split_heldout(pairs, chat.sft.heldout_texts, chat.seed)[0]]
+    completions = tokenizer(list(train_rows["completion"]), add_special_tokens=False)["input_ids"]
+    assert metrics["train_tokens"] == sum(len(c) + 1 for c in completions)  # + EOS; no prompt token
+    assert metrics["steps"] >= 1 and metrics["train_loss"] < metrics["train_loss_initial"]
+    assert load_tokenizer(data / "sft").chat_template == TEMPLATE
 
 
 def test_a_tokenizer_that_encodes_two_problems_alike_is_refused_not_guessed(tmp_path):
@@ -224,7 +262,7 @@ def test_a_tokenizer_that_encodes_two_problems_alike_is_refused_not_guessed(tmp_
     data = tmp_path / "data"
     cfg = ci_config(data, *MATH)
     prepare.run(cfg)
-    texts = load_split(data / "prepared", "sft", SFTExamples)["text"].tolist()
+    texts = sft.plain_texts(load_task_split(data / "prepared", "sft", "math"))
     train_word_tokenizer(texts, vocab_size=40).save_pretrained(data / "sft")  # the most frequent words only
     with pytest.raises(ValueError, match="encodes problems with other answers alike"):
         RewardSpec.of(cfg).build()

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, chromium
+import warm
+from conftest import COMMAND_TIMEOUT, ROOT, chromium
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,8 @@ EVAL_KEYS = {
 
 
 def sh(*cmd, cwd, check=True):
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+    # the stages' `rlhf` commands are warm (tests/warm.py); dvc, git and the rest are the venv's and the system's
+    env = {**os.environ, "PATH": warm.path(f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")}
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
     if check and proc.returncode:
         raise AssertionError(
@@ -111,7 +113,7 @@ def drawn_offline(page, tmp_path) -> str:
         [*chromium(tmp_path / "chromium", offline=True), "--dump-dom", page.as_uri()],
         capture_output=True,
         text=True,
-        timeout=90,
+        timeout=COMMAND_TIMEOUT,
     )
     return proc.stdout
 
@@ -168,7 +170,8 @@ def test_the_math_task_end_to_end_with_dvc_repro(tmp_path, dvc_cache):
     """data.source: math through every stage of `dvc repro`: no reward model, GRPO on the rule reward scored in the
     async engine's process, accuracy / pass@k / KL from evaluate."""
     train = "{trainer: grpo, reward: rule, engine: vllm_async, score_in_engine: always}"
-    repo = pipeline_repo(tmp_path / "repo", dvc_cache, ci_params(data="{source: math}", train=train))
+    sft = "{max_length: 48}"  # a problem is up to 34 word tokens here, its answer line 5, then EOS
+    repo = pipeline_repo(tmp_path / "repo", dvc_cache, ci_params(data="{source: math}", sft=sft, train=train))
     metrics = {p.stem: json.loads(p.read_text()) for p in (repo / "data" / "metrics").glob("*.json")}
     assert metrics["prepare"]["split_sizes"] == {"eval_prompts": 16, "rl_prompts": 64, "sft": 400}
     assert metrics["gold"] == {"judge": "rule", "n_texts": 64, "verifier_reads_worked_answers": 1.0}

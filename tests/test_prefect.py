@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BIN, ROOT, chromium, free_port, isolated_env, make_dvc_repo, run_ok
+from conftest import BIN, COMMAND_TIMEOUT, ROOT, chromium, free_port, isolated_env, make_dvc_repo, run_ok
 
 from rlhf.config import Config, ConfigError, TrackingConfig, load_config
 from rlhf.tracking import STEP, Tracker, log_results, wandb_mode
@@ -197,13 +197,16 @@ print('NO-PREFECT-OK', len(rlhf.cli.PIPELINE))
 """
     env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(ROOT / "params.yaml")], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, str(ROOT / "params.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "NO-PREFECT-OK 7" in proc.stdout
 
 
-@pytest.mark.timeout(180)
 def test_dvc_repro_runs_a_stage_without_prefect(tmp_path):
     """`dvc repro` of a real stage with a `prefect` package that refuses to import, and no server."""
     repo = make_dvc_repo(tmp_path / "project")
@@ -216,7 +219,7 @@ def test_dvc_repro_runs_a_stage_without_prefect(tmp_path):
         "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api",
     }
     run_ok(["sed", "-i", "s/^profile: .*/profile: ci/", "params.yaml"], repo, env)
-    out = run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env, timeout=150)
+    out = run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env)
     assert "Running stage 'prepare'" in out
     assert json.loads((repo / "data/metrics/prepare.json").read_text())
 
@@ -249,7 +252,6 @@ def offline_wandb(tmp_path, monkeypatch):
     (tmp_path / "wandb").mkdir()
 
 
-@pytest.mark.timeout(120)
 def test_completions_table_lands_in_the_offline_run(tmp_path, offline_wandb):
     tracker = Tracker(
         Config(profile="test", data_dir=str(tmp_path / "data"), tracking=TrackingConfig(wandb_mode="offline")), "train"
@@ -276,7 +278,6 @@ def test_completions_table_lands_in_the_offline_run(tmp_path, offline_wandb):
     ]  # max_rows=2
 
 
-@pytest.mark.timeout(120)
 def test_results_land_in_an_offline_run_as_a_table_and_images(tmp_path, offline_wandb):
     """What `evaluate` (the frontier) and `rlhf report` (its charts) log: a W&B run of their own."""
     import io
@@ -360,15 +361,16 @@ def served(home, repo):
     api_url = env["PREFECT_API_URL"]
     info = {"api_url": api_url, "port": port, "env": env, "proc": proc, "log": home / "serve.log"}
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + COMMAND_TIMEOUT
         while time.monotonic() < deadline:
             assert proc.poll() is None, (home / "serve.log").read_text()[-3000:]
             if _healthy(api_url) and len(_api(api_url, "/deployments/filter")) == len(DEPLOYMENTS):
                 break
             time.sleep(1)
         else:
-            pytest.fail("server + deployments not up in 120 s:\n" + (home / "serve.log").read_text()[-3000:])
-        info["startup_s"] = 120 - (deadline - time.monotonic())
+            log = (home / "serve.log").read_text()[-3000:]
+            pytest.fail(f"server + deployments not up in {COMMAND_TIMEOUT} s:\n{log}")
+        info["startup_s"] = COMMAND_TIMEOUT - (deadline - time.monotonic())
         found = re.search(r"prefect server pid (\d+)", (home / "serve.log").read_text())
         info["server_pid"] = int(found.group(1))
         yield info
@@ -384,7 +386,6 @@ def served(home, repo):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
 def test_server_lists_the_deployments(served):
     deps = {d["name"]: d for d in _api(served["api_url"], "/deployments/filter")}
     assert set(deps) == set(DEPLOYMENTS)
@@ -394,7 +395,6 @@ def test_server_lists_the_deployments(served):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
 def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     env = served["env"]
     # An uncommitted edit in the checkout goes into the run (as with `dvc exp run`) and stays in the checkout.
@@ -413,13 +413,13 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
             "--watch-interval",
             "1",
             "--watch-timeout",
-            "240",
+            str(COMMAND_TIMEOUT - 30),
         ],
         cwd=repo,
         env=env,
         capture_output=True,
         text=True,
-        timeout=270,
+        timeout=COMMAND_TIMEOUT,
     )
     print(f"rlhf/ppo on ci: {time.monotonic() - t0:.1f} s")
     runs = [
@@ -484,7 +484,6 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_bad_config_fails_at_once_without_retries(served, repo):
     proc = subprocess.run(
         [
@@ -500,13 +499,13 @@ def test_bad_config_fails_at_once_without_retries(served, repo):
             "--watch-interval",
             "1",
             "--watch-timeout",
-            "90",
+            str(COMMAND_TIMEOUT - 30),
         ],
         cwd=repo,
         env=served["env"],
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=COMMAND_TIMEOUT,
     )
     assert proc.returncode != 0
     run = next(r for r in _api(served["api_url"], "/flow_runs/filter") if r["parameters"].get("trainer") == "rloo")
@@ -519,17 +518,16 @@ def test_bad_config_fails_at_once_without_retries(served, repo):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
 def test_ui_lists_the_deployments_in_chromium(served, home):
     cmd = chromium(home / "chromium")
     url = f"http://127.0.0.1:{served['port']}/deployments"
-    dom = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=90).stdout
+    dom = subprocess.run([*cmd, "--dump-dom", url], capture_output=True, text=True, timeout=COMMAND_TIMEOUT).stdout
     for name in DEPLOYMENTS:  # each deployment is a link named after it (the UI rendered the API's list)
         assert re.search(rf">\s*{re.escape(name)}\s*</a>", dom), name
     subprocess.run(
         [*cmd, "--window-size=1400,900", f"--screenshot={home / 'deployments.png'}", url],
         capture_output=True,
-        timeout=90,
+        timeout=COMMAND_TIMEOUT,
     )
     assert (home / "deployments.png").stat().st_size > 10_000
 
@@ -549,14 +547,13 @@ def test_prefect_yaml_declares_the_served_deployments_on_a_process_pool():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)
 def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, repo, tmp_path):
     """prefect.yaml's way: a process work pool, `prefect deploy`, and a worker (on loopback here, on any machine with
     the project checked out in general) that picks up the run and takes it to completion in its own checkout."""
     env = {**served["env"], "RLHF_PROJECT_DIR": str(repo)}  # what `make worker` sets: the worker's checkout
     shutil.copy(ROOT / "prefect.yaml", tmp_path / "prefect.yaml")
     run_ok(["prefect", "work-pool", "create", "rlhf", "--type", "process"], tmp_path, env)
-    run_ok(["prefect", "--no-prompt", "deploy", "--name", "ci"], tmp_path, env, timeout=120)
+    run_ok(["prefect", "--no-prompt", "deploy", "--name", "ci"], tmp_path, env)
     run_ok(["prefect", "deployment", "run", "rlhf/ci"], tmp_path, env)
     t0 = time.monotonic()
     worker = subprocess.run(
@@ -565,7 +562,7 @@ def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, repo, tmp_pa
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=COMMAND_TIMEOUT,
     )
     print(f"rlhf/ci through the worker: {time.monotonic() - t0:.1f} s")
     [run] = _api(served["api_url"], "/flow_runs/filter", {"work_pools": {"name": {"any_": ["rlhf"]}}})
@@ -579,11 +576,10 @@ def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, repo, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(60)
 def test_ctrl_c_stops_runner_then_server(served):
     proc = served["proc"]
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to `make serve`'s process group
-    assert proc.wait(40) == 0
+    assert proc.wait(COMMAND_TIMEOUT) == 0
     assert not _healthy(served["api_url"])
     with pytest.raises(ProcessLookupError):
         os.kill(served["server_pid"], 0)
@@ -591,11 +587,15 @@ def test_ctrl_c_stops_runner_then_server(served):
     assert log.index("Received KeyboardInterrupt") < log.index("stopping the prefect server") < log.index("stopped")
 
 
-@pytest.mark.timeout(60)
 def test_deployment_run_without_server_is_prefects_error(tmp_path):
     env = {**isolated_env(tmp_path), "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
     proc = subprocess.run(
-        ["prefect", "deployment", "run", "rlhf/ppo"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50
+        ["prefect", "deployment", "run", "rlhf/ppo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
     )
     assert proc.returncode != 0
     assert "ConnectError" in proc.stdout + proc.stderr

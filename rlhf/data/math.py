@@ -8,7 +8,7 @@ Generator; `difficulty` 1-3 sets how many steps it takes and how large the numbe
 Answers are integers, written as decimal strings (the verifier, rlhf.rewards.rule, reads them back). The same
 seed gives the same problems, in the same order, on every machine.
 
-`build_splits` makes the task's splits for stage prepare: distinct problems cut into sft (worked texts ending in
+`build_splits` makes the task's splits for stage prepare: distinct problems cut into sft (prompt + the completion
 "The answer is N."), rl_prompts and eval_prompts (question + INSTRUCTION, with answer and difficulty), disjoint.
 """
 
@@ -104,10 +104,15 @@ def build_splits(data, seed: int) -> dict[str, pd.DataFrame]:
         splits[name] = df.iloc[start : start + n].reset_index(drop=True)
         start += n
     sft = splits.pop("sft")
-    splits["sft"] = pd.DataFrame({"text": worked(sft["prompt"], sft["answer"])})
+    splits["sft"] = pd.DataFrame({"prompt": sft["prompt"], "completion": answer_lines(sft["answer"])})
     return splits
 
 
+def answer_lines(answers: pd.Series) -> pd.Series:
+    """Each answer as the instruction asks for it: the SFT completions."""
+    return "The answer is " + answers + "."
+
+
 def worked(prompts: pd.Series, answers: pd.Series) -> pd.Series:
-    """Each prompt followed by its answer as the instruction asks: the task's SFT texts."""
-    return prompts + " The answer is " + answers + "."
+    """Each prompt followed by its answer line, as plain text."""
+    return prompts + " " + answer_lines(answers)

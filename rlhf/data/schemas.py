@@ -8,7 +8,8 @@ Tables and who writes them:
     RawReviews      reviews CSV after cleaning                         rlhf.data.reviews
     Prompts         reward_prompts / rl_prompts splits                 stage prepare
     EvalPrompts     eval_prompts split (prompt + real continuation)    stage prepare
-    SFTExamples     sft split                                          stage prepare
+    SFTExamples     sft split (plain texts)                            stage prepare
+    SFTPairs        sft split (prompt + completion, math task)         stage prepare
     LabelledTexts   gold_train / gold_test splits (human labels)       stage prepare
     PreferencePairs sampled pairs labelled by the gold judge           stage reward
     Generations     policy samples on eval prompts                     stage generate
@@ -77,6 +78,14 @@ class SFTExamples(_Strict):
     """A text for causal-LM fine-tuning of the policy."""
 
     text: Series[str] = _text()
+
+
+class SFTPairs(_Strict):
+    """A prompt and the completion the policy should give: SFT learns the completion's tokens only, with the prompt
+    encoded as every stage encodes prompts (in the model's chat template when data.chat_template uses it)."""
+
+    prompt: Series[str] = _text()
+    completion: Series[str] = _text()
 
 
 class LabelledTexts(_Strict):

@@ -8,8 +8,9 @@ tasks:
     eval_prompts   EvalPrompts     held-out prompts + real continuations
     gold_train     LabelledTexts   human labels the gold judge is fitted on
     gold_test      LabelledTexts   held-out human labels (disjoint texts) to measure the judge
-The math task (data.source: math) has sft, and rl_prompts / eval_prompts as MathProblems (prompt + answer): its
-judge is the rule verifier, so it has no labelled texts, and no reward_prompts (it trains no reward model).
+The math task (data.source: math) has sft as SFTPairs (prompt + completion), and rl_prompts / eval_prompts as
+MathProblems (prompt + answer): its judge is the rule verifier, so it has no labelled texts, and no reward_prompts
+(it trains no reward model).
 
 Re-running `prepare` with the same inputs gives byte-identical files, so DVC sees no change: `datasets`
 normally stores a random fingerprint in state.json; here the fingerprint is a hash of the table content.
@@ -26,7 +27,16 @@ import pandera.pandas as pa
 import pyarrow as pa_arrow
 
 from rlhf.config import ConfigError
-from rlhf.data.schemas import DataError, EvalPrompts, LabelledTexts, MathProblems, Prompts, SFTExamples, validate
+from rlhf.data.schemas import (
+    DataError,
+    EvalPrompts,
+    LabelledTexts,
+    MathProblems,
+    Prompts,
+    SFTExamples,
+    SFTPairs,
+    validate,
+)
 from rlhf.io import atomic_dir
 
 SPLIT_SCHEMAS: dict[str, type[pa.DataFrameModel]] = {
@@ -38,7 +48,7 @@ SPLIT_SCHEMAS: dict[str, type[pa.DataFrameModel]] = {
     "gold_test": LabelledTexts,
 }
 MATH_SPLIT_SCHEMAS: dict[str, type[pa.DataFrameModel]] = {
-    "sft": SFTExamples,
+    "sft": SFTPairs,
     "rl_prompts": MathProblems,
     "eval_prompts": MathProblems,
 }

@@ -72,6 +72,7 @@ import torch
 from rlhf.generation.base import Generated, SamplingParams
 from rlhf.generation.engine_process import POLL_SECONDS, EngineSpec, engine_process_main
 from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapshot, write_snapshot
+from rlhf.runtime import env_int
 
 
 class EngineProcess:
@@ -87,7 +88,7 @@ class EngineProcess:
         self.results, writer = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
             target=engine_process_main,
-            args=(device, self.inbox, writer, self.stop, os.getpid()),
+            args=(device, self.inbox, writer, self.stop),
             name="rlhf-vllm-engine",
             daemon=False,
         )
@@ -171,12 +172,13 @@ class AsyncEngine:
         work_dir: Path,
         max_staleness: int,
         score: str = "always",
-        start_timeout: float = 600.0,
+        start_timeout: float | None = None,
         process=None,
     ):
         """spec: the engine to build (rlhf.generation.engine_process); work_dir: where checkpoints' copies of the
         weights in flight are written; process: its channel (start_engine), started earlier for this spec's device
-        and max_staleness (else an engine process is started now)."""
+        and max_staleness (else an engine process is started now); start_timeout: seconds the engine may take to
+        build (None: RLHF_ENGINE_START_TIMEOUT, default 600; a slow machine took 4-6 min for a tiny model)."""
         if max_staleness < 0:
             raise ValueError(f"AsyncEngine: max_staleness must be >= 0, got {max_staleness}")
         if process is not None and (process.device, process.max_staleness) != (spec.device, max_staleness):
@@ -203,7 +205,8 @@ class AsyncEngine:
         atexit.register(self._finalizer)
         # vLLM builds in the engine process while the trainer goes on loading its models: messages queue up until
         # it is ready, and the first receive() waits for it (wait_ready).
-        self._start_deadline = time.monotonic() + start_timeout
+        self._start_timeout = start_timeout or env_int("RLHF_ENGINE_START_TIMEOUT", 600, minimum=1)
+        self._start_deadline = time.monotonic() + self._start_timeout
         self._put(("build", spec))
 
     # The Engine protocol
@@ -287,7 +290,10 @@ class AsyncEngine:
             while math.isnan(self.start_seconds):
                 msg = self._next_message(timeout=max(0.0, self._start_deadline - time.monotonic()))
                 if msg is None:
-                    raise self._process.dead("did not start in time")
+                    raise self._process.dead(
+                        f"did not start within {self._start_timeout:.0f} s (on a slow machine, set "
+                        "RLHF_ENGINE_START_TIMEOUT to more seconds)"
+                    )
                 self._handle(msg)
         except BaseException:
             self.close()

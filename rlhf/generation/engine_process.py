@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing as mp
 import os
 import queue
 import signal
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from rlhf.generation.base import ReferenceSpec
-from rlhf.generation.vllm import VLLMEngine
+from rlhf.generation.vllm import VLLMEngine, import_engine_code
 
 POLL_SECONDS = 0.5  # how often a waiting side checks that the other one is still alive
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -41,7 +42,7 @@ class EngineSpec:
     gpu_memory_utilization: float | None = None  # vLLM's share of that GPU
 
 
-def engine_process_main(device: str, inbox, results, stop, parent_pid: int) -> None:
+def engine_process_main(device: str, inbox, results, stop) -> None:
     """Entry point of the engine process: import vLLM and the scorer's code, wait for ("build", EngineSpec), build
     the VLLMEngine (and the scorer), then serve until stopped. The imports (~7 s of the ~11 s start-up on these
     CPUs) run before the spec exists: the trainer starts this process first and sends the spec once it knows it.
@@ -49,7 +50,7 @@ def engine_process_main(device: str, inbox, results, stop, parent_pid: int) -> N
     device: "cpu" or "cuda:<i>" (spec.device): needed before CUDA starts, so it comes at spawn, not with the spec.
     Errors are sent back as ("error", traceback) before the process exits with code 1.
     """
-    _die_with_parent(parent_pid)
+    _die_with_parent()
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
         os.sched_setaffinity(0, {cores[-1]})  # its own core; the trainer keeps the others
@@ -59,8 +60,8 @@ def engine_process_main(device: str, inbox, results, stop, parent_pid: int) -> N
         device = "cuda:0"  # that GPU, as this process numbers it
     outbox = _Sender(results)
     try:
-        import_ahead()
-        spec = _next_work(inbox, stop, parent_pid)
+        import_ahead(device)
+        spec = _next_work(inbox, stop)
         if spec is None:
             return
         if spec[0] != "build":
@@ -68,7 +69,7 @@ def engine_process_main(device: str, inbox, results, stop, parent_pid: int) -> N
         spec = spec[1]
         engine, scorer = build(spec, device)
         outbox.send(("ready", engine.start_seconds))
-        _serve(engine, scorer, inbox, outbox, stop, parent_pid)
+        _serve(engine, scorer, inbox, outbox, stop)
     except BaseException:
         outbox.send(("error", traceback.format_exc()))
         outbox.flush(timeout=10)
@@ -98,21 +99,21 @@ def build(spec: EngineSpec, device: str) -> tuple[VLLMEngine, Scorer | None]:
     return engine, Scorer(spec, torch.device(device)) if spec.reward is not None else None
 
 
-def import_ahead() -> None:
+def import_ahead(device: str = "cpu") -> None:
     """What building the engine and the scorer imports, imported while the spec is not known yet."""
-    import vllm.entrypoints.llm  # noqa: F401  (vllm, then its LLM class: ~2 s + ~4 s on these CPUs)
+    import_engine_code(device)  # vLLM's engine: ~6 s on these CPUs, 6 min on the slow box
 
     import rlhf.models.forward  # noqa: F401
     import rlhf.models.loading  # noqa: F401
 
 
-def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, parent_pid: int) -> None:
+def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop) -> None:
     """Handle ("weights", SharedWeights, version) and ("generate", batch, prompts, params, score, parts) in order;
     each result carries the seconds the engine was idle and reloading since the previous one."""
     idle = reload = 0.0
     while True:
         waited = time.perf_counter()
-        msg = _next_work(inbox, stop, parent_pid)
+        msg = _next_work(inbox, stop)
         idle += time.perf_counter() - waited
         if msg is None:
             return
@@ -179,10 +180,10 @@ class Scorer:
         return scores.cpu().numpy(), refs.cpu().numpy()  # the wire format: numpy arrays in host memory
 
 
-def _next_work(inbox, stop, parent_pid: int):
+def _next_work(inbox, stop):
     """The next message, or None when asked to stop or when the trainer is gone."""
     while not stop.is_set():
-        if os.getppid() != parent_pid:
+        if not _trainer_alive():
             return None
         try:
             msg = inbox.get(timeout=POLL_SECONDS)
@@ -192,13 +193,19 @@ def _next_work(inbox, stop, parent_pid: int):
     return None
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _trainer_alive() -> bool:
+    """The trainer (the process that started this one) still runs: its end of multiprocessing's start-up pipe is
+    open. Unlike a parent-pid check, this holds when a launcher sits between the two (the suite's tests/warm.py)."""
+    return mp.parent_process().is_alive()
+
+
+def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when the trainer dies, so no engine outlives a killed run."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
-        pass  # not Linux: the parent-pid check in _next_work still ends it
-    if os.getppid() != parent_pid:
+        pass  # not Linux: the check in _next_work still ends it
+    if not _trainer_alive():
         os._exit(1)
 
 

@@ -16,34 +16,45 @@ is sampled with the same version, the newest loaded when the actor starts it: >=
 Faults: an actor that dies (killed, node lost, out of memory) or raises fails the trainer's next receive with a
 RuntimeError naming the actor, its node and pid, within a poll (~0.5 s). Actors are not restarted.
 Cluster: with RAY_ADDRESS set, ray.init joins that cluster; else the first RayEngines of the process starts a local
-one bound to 127.0.0.1 (no dashboard; its files in .cache/ray), kept for later runs in the process.
+one bound to 127.0.0.1 (no dashboard; its files in .cache/ray), stopped when the last RayEngines on it closes: its
+GCS, raylet and monitors took ~half a core of a 2-core box even with no actor left.
 GPU (reasoned, not run: docs/scale-out.md): an engine on a GPU asks Ray for one (num_gpus=1) and runs vLLM there;
 weights still travel through host memory, where an NCCL broadcast from the learner would replace the object store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import sys
 import time
 import warnings
 from collections import deque
 
 import numpy as np
+import psutil
 import torch
 
 from rlhf.generation.weights import SharedWeights
 from rlhf.runtime import CACHE, OFFLINE_ENV
 
+# On a slow or loaded machine the raylet gives up on its dashboard agent after a fixed 15 s and the node fails to
+# start ("The current node timed out during startup", ray-project/ray#65983): the agent's start varies with the load.
+START_ATTEMPTS = 3
+_local_users = 0  # open RayEngines on a local cluster start_cluster started: the last one to close stops it
 
-def start_cluster(gpus: tuple[int, ...] | None = None) -> None:
+
+def start_cluster(gpus: tuple[int, ...] | None = None) -> bool:
     """Join RAY_ADDRESS's cluster, or start a local one on loopback; nothing when Ray is already initialised.
-    gpus: the GPUs of this node (as this process numbers them) a local cluster may hand to engines; None = none."""
+    gpus: the GPUs of this node (as this process numbers them) a local cluster may hand to engines; None = none.
+    True when Ray runs on the local cluster this function started (now or before), False when joined or when
+    Ray was initialised by someone else (theirs to stop)."""
     import ray
     from ray._private import ray_constants
 
     if ray.is_initialized():
-        return
+        return _local_users > 0
     if "RAY_ADDRESS" not in os.environ:
         # A node of no cluster takes 127.0.0.1 as its address and every server binds to it, not to all interfaces
         # (rlhf.runtime sets the variable behind this flag too; vLLM may have imported ray before we could).
@@ -52,7 +63,7 @@ def start_cluster(gpus: tuple[int, ...] | None = None) -> None:
     if "RAY_ADDRESS" in os.environ:
         _check_reachable(os.environ["RAY_ADDRESS"])
         ray.init(runtime_env=env, configure_logging=False)
-        return
+        return False
     (CACHE / "ray").mkdir(parents=True, exist_ok=True)
     # The cluster's processes see only the engines' GPUs (not the training ranks'): Ray hands those out. This
     # process keeps its own view: CUDA reads the variable once, when it starts, and the trainer's comes later.
@@ -61,7 +72,7 @@ def start_cluster(gpus: tuple[int, ...] | None = None) -> None:
         ids = visible.split(",") if visible else [str(g) for g in range(max(gpus) + 1)]
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[g] for g in gpus)
     try:
-        ray.init(
+        _init_local_node(
             num_cpus=os.cpu_count(),
             num_gpus=len(gpus or ()),
             include_dashboard=False,
@@ -74,6 +85,34 @@ def start_cluster(gpus: tuple[int, ...] | None = None) -> None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    return True
+
+
+def _init_local_node(**init) -> None:
+    """ray.init(**init) for a local node, started again (up to START_ATTEMPTS times) when it times out starting."""
+    import ray
+
+    for attempt in range(1, START_ATTEMPTS + 1):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        try:
+            ray.init(**init)
+            return
+        except Exception as err:  # Ray raises a bare Exception for it
+            if "timed out during startup" not in str(err):
+                raise
+            _kill_new_children(before)  # the half-started node's GCS and monitors: no one else stops them
+            if attempt == START_ATTEMPTS:
+                raise
+            print(f"Ray's local node timed out starting (attempt {attempt}): starting it again", file=sys.stderr)
+
+
+def _kill_new_children(before: set[int]) -> None:
+    """Kill this process's descendants that are not in `before` (pids), and wait for them."""
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in new:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(new, timeout=10)
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
@@ -99,7 +138,7 @@ class EngineActor:
         torch.set_num_threads(1)
         from rlhf.generation.engine_process import import_ahead
 
-        import_ahead()  # while the trainer imports and loads
+        import_ahead("cuda" if torch.cuda.is_available() else "cpu")  # while the trainer imports and loads
         self.engine = self.scorer = None
         self.free_since, self.idle, self.reload = time.perf_counter(), 0.0, 0.0
 
@@ -164,7 +203,9 @@ class RayEngines:
 
     def __init__(self, device: str, max_staleness: int, num_engines: int, gpus: tuple[int, ...] | None = None):
         """device: "cpu" or "cuda:0" (each actor's own GPU); gpus: see start_cluster."""
-        start_cluster(gpus if device.startswith("cuda") else None)
+        global _local_users
+        self._local = start_cluster(gpus if device.startswith("cuda") else None)
+        _local_users += self._local
         import ray
 
         self.device, self.max_staleness, self.num_engines = device, max_staleness, num_engines
@@ -237,13 +278,19 @@ class RayEngines:
         return RuntimeError(f"vLLM engine actors ({', '.join(self.where)}) {what}")
 
     def close(self, at_once: bool = False) -> None:
-        """Kill the actors (nothing of theirs is kept) and give the trainer its cores back; safe to call twice."""
+        """Kill the actors (nothing of theirs is kept), stop the local cluster if no other RayEngines uses it, and
+        give the trainer its cores back; safe to call twice."""
+        global _local_users
         import ray
 
         if ray.is_initialized():
             for a in self.actors:
                 ray.kill(a, no_restart=True)
         self.actors, self._calls = [], deque()
+        if self._local:
+            self._local, _local_users = False, _local_users - 1
+            if _local_users == 0 and ray.is_initialized():
+                ray.shutdown()
         os.sched_setaffinity(0, self._cores)
 
     def _call(self, kind: str, key, refs: dict[int, object]) -> None:

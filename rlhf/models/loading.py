@@ -111,6 +111,17 @@ def smollm2_gguf_path() -> Path:
     return package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, f"`{SMOLLM2_INSTALL}`")
 
 
+def load_smollm2_tokenizer() -> PreTrainedTokenizerBase:
+    """The packaged SmolLM2-135M-Instruct's tokenizer (with its chat template), left-padded, pad = EOS."""
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, padding_side="left", trust_remote_code=False
+    )
+    if tokenizer.pad_token is None:  # same reasoning as load_tokenizer
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The packaged SmolLM2-135M-Instruct (Q4_1 GGUF de-quantised to a float32 Llama, 134.5M params) + tokenizer.
 
@@ -120,9 +131,7 @@ def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """
     gguf = smollm2_gguf_path()
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, padding_side="left", trust_remote_code=False)
-    if tokenizer.pad_token is None:  # same reasoning as load_tokenizer
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_smollm2_tokenizer()
     gguf_model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False
     )

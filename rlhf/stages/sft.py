@@ -2,8 +2,10 @@
 
 model.source = tiny: train a word-level tokenizer on the SFT texts and a small causal LM from scratch.
 Otherwise: load the checkpoint (local folder, hub id, packaged SmolLM2) and fine-tune it if sft.train.
-Each text is truncated to sft.max_length tokens including an appended EOS, so the policy learns to stop (RL
-penalises samples without EOS). Output: cfg.path("sft") (model + tokenizer, atomic) and
+The sft split is plain texts (reviews, tldr: every token learnt) or prompt/completion pairs (math: the prompt
+encoded as every stage encodes prompts, in the model's chat template under data.chat_template, and only the
+completion's tokens learnt). Each sequence is truncated to sft.max_length tokens including an appended EOS, so the
+policy learns to stop (RL penalises samples without EOS). Output: cfg.path("sft") (model + tokenizer, atomic) and
 cfg.path("metrics", "sft.json").
 """
 
@@ -12,42 +14,38 @@ from __future__ import annotations
 import math
 import time
 
+import pandas as pd
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from rlhf import runtime
 from rlhf.config import Config, ConfigError, SFTConfig
-from rlhf.data.schemas import SFTExamples
-from rlhf.data.splits import load_split
+from rlhf.data.splits import load_task_split
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.sampling import sample
 from rlhf.io import atomic_dir, write_json
 from rlhf.models import loading, tiny
 
-IGNORE = -100  # label of padding positions: F.cross_entropy's ignore_index
+IGNORE = -100  # label of padding and prompt positions: F.cross_entropy's ignore_index
 ADAM_BETAS = (0.9, 0.95)  # the usual LM-pretraining betas: 0.95 adapts faster to the shifting gradient scale
 MAX_GRAD_NORM = 1.0
 SAMPLE_PROMPT_WORDS = 8
+PLAIN_SEPARATOR = " "  # between a pair's prompt and completion when they are plain text (no chat template)
 
 
 def run(cfg: Config) -> dict:
-    """Build/load the policy, train it on the prepared SFT texts, save it and its metrics. Returns the metrics."""
+    """Build/load the policy, train it on the prepared SFT split, save it and its metrics. Returns the metrics."""
     start = time.perf_counter()
-    texts = load_split(cfg.path("prepared"), "sft", SFTExamples)["text"].tolist()
-    train_texts, heldout_texts = split_heldout(texts, cfg.sft.heldout_texts, cfg.seed)
-    model, tokenizer = _starting_point(cfg, train_texts)
-    if cfg.sft.train and loading.uses_chat_template(tokenizer, cfg.data.chat_template):
-        raise ConfigError(
-            "sft.train: the SFT texts are plain text, but data.chat_template puts RL and eval prompts in the model's "
-            "chat template; set sft.train: false (an instruction-tuned model is its own SFT policy) or "
-            "data.chat_template: none"
-        )
+    examples = load_task_split(cfg.path("prepared"), "sft", cfg.data.source)
+    train_rows, heldout_rows = (examples.iloc[i] for i in split_heldout(examples, cfg.sft.heldout_texts, cfg.seed))
+    model, tokenizer = _starting_point(cfg, plain_texts(train_rows))
+    _check_format(cfg, tokenizer, examples)
     _check_length(cfg, model)
     device = runtime.device()
     model.to(device)
-    train_seqs = encode_texts(tokenizer, train_texts, cfg.sft.max_length)
-    heldout_seqs = encode_texts(tokenizer, heldout_texts, cfg.sft.max_length)
+    train_seqs, train_prompts = encode_examples(tokenizer, train_rows, cfg.sft.max_length, cfg.data.chat_template)
+    heldout_seqs, heldout_prompts = encode_examples(tokenizer, heldout_rows, cfg.sft.max_length, cfg.data.chat_template)
 
     metrics: dict = {
         "n_params": tiny.count_parameters(model),
@@ -55,25 +53,34 @@ def run(cfg: Config) -> dict:
         "n_heldout_texts": len(heldout_seqs),
     }
     if cfg.sft.train:
-        losses = train_causal_lm(model, train_seqs, cfg.sft, cfg.seed, tokenizer.pad_token_id, device)
+        losses = train_causal_lm(model, train_seqs, cfg.sft, cfg.seed, tokenizer.pad_token_id, device, train_prompts)
         tail = losses[-max(1, len(losses) // 10) :]  # last 10% of steps: one step's loss is noisy
         metrics.update(steps=len(losses), train_loss_initial=losses[0], train_loss=sum(tail) / len(tail))
-        metrics["train_tokens"] = round(cfg.sft.epochs * sum(len(s) for s in train_seqs))
+        metrics["train_tokens"] = round(cfg.sft.epochs * sum(len(s) - n for s, n in zip(train_seqs, train_prompts)))
     if heldout_seqs:
-        loss = mean_token_loss(model, heldout_seqs, cfg.sft.batch_size, tokenizer.pad_token_id, device)
+        loss = mean_token_loss(model, heldout_seqs, cfg.sft.batch_size, tokenizer.pad_token_id, device, heldout_prompts)
         metrics.update(heldout_loss=loss, heldout_perplexity=math.exp(min(loss, 50.0)))
 
     metrics["seconds"] = round(time.perf_counter() - start, 1)
     with atomic_dir(cfg.path("sft")) as tmp:  # outputs go together: the metrics are written before the model moves in
         loading.save_pretrained(model, tokenizer, tmp)
         write_json(cfg.path("metrics", "sft.json"), metrics)
-    prompts = [" ".join(t.split()[:SAMPLE_PROMPT_WORDS]) for t in (heldout_texts or train_texts)[:3]]
+    _show_samples(cfg, model, tokenizer, heldout_rows if len(heldout_rows) else train_rows, device)
+    return metrics
+
+
+def _show_samples(cfg: Config, model, tokenizer, rows: pd.DataFrame, device) -> None:
+    """Print the saved policy's answers to three prompts (pairs: the prompts; texts: their first words)."""
+    if "prompt" in rows:
+        shown = rows["prompt"].head(3).tolist()
+        prompts = loading.encode_prompts(tokenizer, shown, cfg.data.chat_template)
+    else:
+        prompts = shown = [" ".join(t.split()[:SAMPLE_PROMPT_WORDS]) for t in rows["text"].head(3)]
     with torch.random.fork_rng(devices=[]):  # a look at the policy that leaves the RNG as it was
         torch.manual_seed(cfg.seed)
         [looked] = sample(model, tokenizer, prompts, SamplingParams(1, 24, 0.7), len(prompts), device)
-    for prompt, text in zip(prompts, looked.texts):
+    for prompt, text in zip(shown, looked.texts):
         print(f"sft sample: {prompt} || {text}")
-    return metrics
 
 
 def _starting_point(cfg: Config, train_texts: list[str]):
@@ -93,6 +100,15 @@ def _starting_point(cfg: Config, train_texts: list[str]):
     return model, tokenizer
 
 
+def _check_format(cfg: Config, tokenizer, examples: pd.DataFrame) -> None:
+    if cfg.sft.train and "text" in examples and loading.uses_chat_template(tokenizer, cfg.data.chat_template):
+        raise ConfigError(
+            "sft.train: the SFT split is plain text (no prompt/completion), but data.chat_template puts RL and eval "
+            "prompts in the model's chat template; set sft.train: false (an instruction-tuned model is its own SFT "
+            "policy) or data.chat_template: none"
+        )
+
+
 def _check_length(cfg: Config, model) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.sft.max_length > limit:
@@ -104,11 +120,39 @@ def _check_length(cfg: Config, model) -> None:
 # --- data ------------------------------------------------------------------------------------------------
 
 
-def split_heldout(texts: list[str], n_heldout: int, seed: int) -> tuple[list[str], list[str]]:
-    """Seeded shuffle, then (train, heldout) with heldout = min(n_heldout, len // 5) texts."""
-    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
-    n = min(n_heldout, len(texts) // 5)
-    return [texts[i] for i in order[n:]], [texts[i] for i in order[:n]]
+def split_heldout(items, n_heldout: int, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded shuffle of the items' positions, then (train, heldout) positions, heldout = min(n_heldout, len // 5)."""
+    order = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    n = min(n_heldout, len(items) // 5)
+    return order[n:], order[:n]
+
+
+def plain_texts(examples: pd.DataFrame) -> list[str]:
+    """The split's rows as plain text (a pair as prompt + " " + completion): what a from-scratch tokenizer learns."""
+    if "text" in examples:
+        return examples["text"].tolist()
+    return (examples["prompt"] + PLAIN_SEPARATOR + examples["completion"]).tolist()
+
+
+def encode_examples(tokenizer, examples: pd.DataFrame, max_length: int, chat_template: str):
+    """(sequences, prompt lengths) of an sft split: plain texts are learnt whole (prompt length 0); a pair is its
+    prompt as the loop encodes prompts (loading.encode_prompts) followed by the completion, and only the completion
+    (and the EOS) is learnt. Every sequence ends in EOS, len <= max_length."""
+    if "text" in examples:
+        seqs = encode_texts(tokenizer, examples["text"].tolist(), max_length)
+        return seqs, [0] * len(seqs)
+    prompts = loading.encode_prompts(tokenizer, examples["prompt"].tolist(), chat_template)
+    # in a chat template the assistant turn is already open; as plain text the completion follows the separator
+    sep = "" if loading.uses_chat_template(tokenizer, chat_template) else PLAIN_SEPARATOR
+    completions = tokenizer([sep + c for c in examples["completion"]], add_special_tokens=False)["input_ids"]
+    longest = max((len(p) for p in prompts), default=0)
+    if longest >= max_length - 1:
+        raise ConfigError(
+            f"sft.max_length ({max_length}) leaves no completion token after a prompt of {longest} tokens; "
+            f"raise it above {longest + 1}"
+        )
+    seqs = [(p + c)[: max_length - 1] + [tokenizer.eos_token_id] for p, c in zip(prompts, completions)]
+    return seqs, [len(p) for p in prompts]
 
 
 def encode_texts(tokenizer, texts: list[str], max_length: int) -> list[list[int]]:
@@ -119,11 +163,13 @@ def encode_texts(tokenizer, texts: list[str], max_length: int) -> list[list[int]
     return [seq + [tokenizer.eos_token_id] for seq in ids if seq]
 
 
-def collate(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def collate(
+    seqs: list[list[int]], pad_id: int, prompt_lengths: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-pad to the longest sequence: (input_ids, attention_mask, labels), each (B, T_max).
 
-    Right padding keeps position ids 0..len-1 without passing them; labels are IGNORE on padding so the loss
-    covers exactly the real tokens (including the final EOS).
+    Right padding keeps position ids 0..len-1 without passing them; labels are IGNORE on padding and on each
+    sequence's first prompt_lengths[row] tokens, so the loss covers exactly the tokens to learn (including the EOS).
     """
     width = max(len(s) for s in seqs)
     input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -132,6 +178,8 @@ def collate(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Ten
         input_ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(seq)] = 1
     labels = input_ids.masked_fill(mask == 0, IGNORE)
+    for row, n in enumerate(prompt_lengths or []):
+        labels[row, :n] = IGNORE
     return input_ids, mask, labels
 
 
@@ -160,8 +208,17 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int) -> float:
 # --- training --------------------------------------------------------------------------------------------
 
 
-def train_causal_lm(model, seqs: list[list[int]], sft: SFTConfig, seed: int, pad_id: int, device) -> list[float]:
-    """Causal-LM training in place (AdamW, warmup + cosine, grad clip 1.0). Returns the loss of every step.
+def train_causal_lm(
+    model,
+    seqs: list[list[int]],
+    sft: SFTConfig,
+    seed: int,
+    pad_id: int,
+    device,
+    prompt_lengths: list[int] | None = None,
+) -> list[float]:
+    """Causal-LM training in place (AdamW, warmup + cosine, grad clip 1.0), the first prompt_lengths[i] tokens of
+    sequence i not learnt. Returns the loss of every step.
 
     Raises FloatingPointError as soon as a loss is not finite (the caller then saves nothing).
     """
@@ -177,7 +234,8 @@ def train_causal_lm(model, seqs: list[list[int]], sft: SFTConfig, seed: int, pad
     with torch.random.fork_rng(devices=[]), tqdm(total=len(batches), desc="sft", unit="step", mininterval=2.0) as bar:
         torch.manual_seed(seed)
         for step, batch in enumerate(batches):
-            input_ids, mask, labels = (t.to(device) for t in collate([seqs[i] for i in batch], pad_id))
+            lengths = [prompt_lengths[i] for i in batch] if prompt_lengths else None
+            input_ids, mask, labels = (t.to(device) for t in collate([seqs[i] for i in batch], pad_id, lengths))
             loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
             if not torch.isfinite(loss):
                 raise FloatingPointError(
@@ -198,12 +256,15 @@ def train_causal_lm(model, seqs: list[list[int]], sft: SFTConfig, seed: int, pad
 
 
 @torch.no_grad()
-def mean_token_loss(model, seqs: list[list[int]], batch_size: int, pad_id: int, device) -> float:
-    """Mean next-token cross-entropy over all predicted tokens of `seqs` (token-weighted, not batch-weighted)."""
+def mean_token_loss(
+    model, seqs: list[list[int]], batch_size: int, pad_id: int, device, prompt_lengths: list[int] | None = None
+) -> float:
+    """Mean next-token cross-entropy over the learnt tokens of `seqs` (token-weighted, not batch-weighted)."""
     model.eval()
     total, count = 0.0, 0
     for i in range(0, len(seqs), batch_size):
-        input_ids, mask, labels = (t.to(device) for t in collate(seqs[i : i + batch_size], pad_id))
+        lengths = prompt_lengths[i : i + batch_size] if prompt_lengths else None
+        input_ids, mask, labels = (t.to(device) for t in collate(seqs[i : i + batch_size], pad_id, lengths))
         logits = model(input_ids=input_ids, attention_mask=mask).logits
         targets = labels[:, 1:]
         total += F.cross_entropy(
