@@ -132,6 +132,14 @@ def train_towards(model, tok, prompts: list[list[int]], target: str, steps: int 
 # --- colocated engine --------------------------------------------------------------------------------------
 
 
+def test_under_loadgroup_this_file_runs_on_one_worker(request):
+    """The engines above are built once per worker, and the Ray test below counts on no other engines in its
+    process: `--dist loadgroup` must keep the file on one worker. pytest-xdist marks such a test by a suffix of its
+    id, which pytest 9.2 silently ignores (its ids are no longer the attribute xdist sets): pyproject pins 9.1."""
+    if request.config.getoption("loadgroup", False):  # set in a pytest-xdist worker when the run uses loadgroup
+        assert request.node.nodeid.endswith("@vllm_engines")
+
+
 def test_colocated_greedy_follows_weight_sync(policy, colocated):
     folder, tok = policy
     prompts = prompt_ids(tok, ["the movie was", "a bad", "i didn't like"])

@@ -43,6 +43,7 @@ import tempfile
 import threading
 import traceback
 import types
+import weakref
 from pathlib import Path
 
 import warm_client
@@ -104,7 +105,9 @@ def _serve(sock: str, python: str) -> None:
     from rlhf.cli import PIPELINE
 
     preload = [f"rlhf.stages.{s}" for s in PIPELINE] + ["rlhf.trainers.setup", "rlhf.trainers.loop", "deepspeed"]
-    preload += ["wandb", "rlhf.generation.engine_process", "accelerate.commands.accelerate_cli"]
+    # Not wandb: importing it patches sys.stdout's write for its console log, and a pytest worker forked from here
+    # writes to pytest's own stream, which a patch made here would miss (the run's output.log stayed empty).
+    preload += ["rlhf.generation.engine_process", "accelerate.commands.accelerate_cli"]
     preload += ["accelerate.commands.launch", "torch.distributed.run"]
     try:
         for module in preload:
@@ -117,6 +120,11 @@ def _serve(sock: str, python: str) -> None:
     # object it visits: a command's first full collection copied them all (minutes at 0.1 GB/s). Frozen objects are
     # never visited.
     gc.freeze()
+    # What the imports made for the process to delete at exit (wandb's media folder, a TemporaryDirectory) is shared
+    # by every fork: the first command to exit would delete it under the others. The server deletes them at its end.
+    owned = list(weakref.finalize._registry)
+    for finalizer in owned:
+        finalizer.atexit = False
     set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
     base_path = sys.path[1:]  # a fresh interpreter's, without this file's folder
     print(f"imported {len(sys.modules)} modules; threads: {threading.enumerate()}", flush=True)
@@ -129,6 +137,8 @@ def _serve(sock: str, python: str) -> None:
         ready, _, _ = select.select([listener, 0], [], [])
         if 0 in ready and not os.read(0, 1):  # the pytest session is over
             shutil.rmtree(Path(sock).parent, ignore_errors=True)
+            for finalizer in owned:
+                finalizer()
             return
         if listener in ready:
             conn, _ = listener.accept()

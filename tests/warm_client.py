@@ -82,7 +82,8 @@ def _line(conn: socket.socket) -> str:
 def _exit_like(status: str) -> None:
     kind, _, number = status.partition(" ")
     if kind == "signal":
-        signal.signal(int(number), signal.SIG_DFL)
+        if int(number) not in (signal.SIGKILL, signal.SIGSTOP):  # their handlers cannot be set: they are the default
+            signal.signal(int(number), signal.SIG_DFL)
         os.kill(os.getpid(), int(number))
         os._exit(128 + int(number))
     if kind == "exit":
