@@ -485,26 +485,6 @@ def test_an_engine_that_does_not_start_in_time_names_the_limit_and_is_stopped(po
     assert not engine._process.alive()
 
 
-def test_the_local_ray_cluster_stops_when_the_last_engines_on_it_close():
-    """Idle, a local cluster's daemons still take CPU: the last RayEngines of the process to close stops the cluster
-    it started (no vLLM is built here: the actors are killed while they import it)."""
-    import ray
-
-    from rlhf.generation.ray_engines import RayEngines
-
-    cores = os.sched_getaffinity(0)
-    first = RayEngines("cpu", max_staleness=1, num_engines=1)
-    second = RayEngines("cpu", max_staleness=1, num_engines=1)  # joins the cluster the first one started
-    second.close()
-    assert ray.is_initialized()  # the first still uses it
-    first.close()
-    first.close()
-    assert not ray.is_initialized()
-    daemons = ray_daemons()
-    assert not daemons, daemons
-    assert os.sched_getaffinity(0) == cores
-
-
 def test_a_local_ray_node_that_times_out_starting_is_cleaned_up_and_started_again(monkeypatch, capsys):
     """On a slow or loaded machine Ray's own node start can fail (its raylet waits 15 s for the dashboard agent,
     ray-project/ray#65983). A stand-in for ray.init (that failure cannot be made to happen on demand) spawns a
@@ -566,6 +546,30 @@ def test_killed_ray_engine_actor_raises_naming_it(policy, ray2):
     assert not ray.is_initialized()
     daemons = ray_daemons()
     assert not daemons, daemons
+
+
+def test_the_local_ray_cluster_stops_when_the_last_engines_on_it_close():
+    """Idle, a local cluster's daemons still take CPU: the last RayEngines of the process to close stops the cluster
+    it started (no vLLM is built here: the actors are killed while they import it). After the tests that use the
+    module's `ray2` (the last of them closes it): with it open, this process's cluster rightly stays up."""
+    import ray
+
+    from rlhf.generation import ray_engines
+    from rlhf.generation.ray_engines import RayEngines
+
+    assert ray_engines._local_users == 0, "another RayEngines of this process is open: move this test after it"
+
+    cores = os.sched_getaffinity(0)
+    first = RayEngines("cpu", max_staleness=1, num_engines=1)
+    second = RayEngines("cpu", max_staleness=1, num_engines=1)  # joins the cluster the first one started
+    second.close()
+    assert ray.is_initialized()  # the first still uses it
+    first.close()
+    first.close()
+    assert not ray.is_initialized()
+    daemons = ray_daemons()
+    assert not daemons, daemons
+    assert os.sched_getaffinity(0) == cores
 
 
 def test_hf_engine_returns_the_log_probs_it_sampled_with(policy):
