@@ -326,6 +326,12 @@ class EvalConfig(_Section):
     pass_k: int = Field(
         4, gt=0, description="math: samples per problem at train.temperature for pass@k (the first one's KL to SFT)"
     )
+    processes: int = Field(
+        1,
+        gt=0,
+        description="models generate and evaluate work on at once, each in a process of its own (one torch thread): "
+        "on a CPU box up to its cores; on a GPU one (the models share the device). The same numbers either way",
+    )
 
 
 class TrackingConfig(_Section):

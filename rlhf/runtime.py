@@ -110,6 +110,22 @@ def device():
     return PartialState().device
 
 
+def map_in_processes(fn, items: list, processes: int) -> list:
+    """[fn(item) for item in items], in up to `processes` worker processes at once, each set up as this one (the
+    environment variables it inherits, one torch thread), when that is more than 1 and more than one CPU core is
+    allowed; else here, one after another. fn: a module-level function (spawned workers import it by name); items
+    and results are pickled. A worker's exception is raised here, as it was raised there (its type and message)."""
+    processes = min(processes, len(items), len(os.sched_getaffinity(0)))
+    if processes <= 1:
+        return [fn(item) for item in items]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawn, not fork: a forked copy of a process that has touched CUDA or started threads is not safe to use
+    with ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"), initializer=configure_torch) as pool:
+        return list(pool.map(fn, items))
+
+
 def crash_point(name: str, index: int) -> None:
     """Fault injection for the resume tests: RLHF_CRASH_AT=name:index SIGKILLs this process here, the way
     an OOM kill or a pulled plug would. Points: after_update:<batch> (optimizer stepped, nothing saved yet) and

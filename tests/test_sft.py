@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pandas as pd
@@ -188,6 +189,18 @@ def test_a_shallow_reward_model_gets_its_head_fitted_on_pairs_vllm_sampled(ci_st
         reward.run(ci_config(data, "reward.num_layers=99"))
 
 
+def test_map_in_processes_runs_in_workers_and_raises_their_errors_here():
+    from rlhf.runtime import map_in_processes
+
+    me = str(os.getpid())
+    assert map_in_processes(os.readlink, ["/proc/self"], 2) == [me]  # one item: no worker to start
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("this test needs 2 allowed CPU cores to start 2 workers")
+    assert me not in map_in_processes(os.readlink, ["/proc/self", "/proc/self"], 2)
+    with pytest.raises(FileNotFoundError, match="no-such-file"):
+        map_in_processes(os.readlink, ["/proc/self", "/no-such-file"], 2)
+
+
 def test_generate_and_evaluate_sample_with_vllm_as_hf_does(ci_data):
     """eval.engine=vllm: one vLLM engine per model samples the eval prompts; near-greedy, it writes the responses HF
     generate writes (up to a rare near-tie between float paths), and evaluate's metrics come out of the same code."""
@@ -213,7 +226,12 @@ def test_generate_and_evaluate_sample_with_vllm_as_hf_does(ci_data):
     generate.run(ci_config(ci_data, "eval.engine=vllm", "eval.temperature=1.0"))
     sampled = load_split(ci_data / "generations", "eval", Generations)
     assert (sampled["response"].str.len() > 0).mean() > 0.5, sampled["response"]
+    # eval.processes=2: the models in two processes at once sample what they sample one after another
+    shutil.rmtree(ci_data / "generations")
+    generate.run(ci_config(ci_data, "eval.engine=vllm", "eval.temperature=1.0", "eval.processes=2"))
+    pd.testing.assert_frame_equal(load_split(ci_data / "generations", "eval", Generations), sampled)
     metrics = evaluate.run(ci_config(ci_data, "eval.engine=vllm"))
+    assert evaluate.run(ci_config(ci_data, "eval.engine=vllm", "eval.processes=2")) == metrics
     models = ["policy", "sft", "policy@4"]  # and the policy kept after batch 1 of 2 (train.eval_checkpoints)
     assert list(by_vllm["model"].unique()) == models and metrics["n_prompts"] * 3 == len(by_vllm)
     assert all(math.isfinite(v) for v in metrics.values()), metrics

@@ -8,7 +8,8 @@
 The same for each policy kept through training (train.eval_checkpoints), as the points of the frontier: gold
 win-rate against KL to the SFT policy over the run (the paper's figure), data/plots/frontier.csv.
 Outputs: data/metrics/eval.json, data/plots/eval_gold.csv, data/plots/frontier.csv, data/eval (EvalResults: per
-prompt and policy).
+prompt and policy). Each model's sampling, scoring and KL is one job (`_kl_and_scores_of`); eval.processes runs
+that many at once, each in its own process (rlhf.runtime.map_in_processes), seeded alike: the same numbers.
 
 The math task (data.source: math) has the rule verifier for gold and no proxy RM: its exact-match accuracy of the
 near-greedy answers (overall and by difficulty), pass@k over eval.pass_k samples at train.temperature and the KL on
@@ -17,6 +18,8 @@ a win, both right or both wrong as a tie (0.5 + accuracy gain / 2). data/eval th
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -29,7 +32,7 @@ from rlhf.generation.sampling import sample, stage_engine
 from rlhf.io import atomic_dir, write_json, write_text
 from rlhf.models.forward import response_logprobs
 from rlhf.rewards.proxy import ProxyReward
-from rlhf.stages.generate import models
+from rlhf.stages.generate import models, processes
 from rlhf.tracking import log_results
 
 
@@ -64,34 +67,45 @@ def kl_and_scores(
 def run(cfg: Config) -> dict:
     from rlhf.data.schemas import Generations
     from rlhf.data.splits import load_split, load_task_split
-    from rlhf.models.loading import encode_prompts, load_causal_lm, load_tokenizer
 
     prompts = load_task_split(cfg.path("prepared"), "eval_prompts", cfg.data.source)
     gens = load_split(cfg.path("generations"), "eval", Generations)
     by_model = {name: df.set_index("prompt_id").loc[prompts["prompt_id"]] for name, df in gens.groupby("model")}
     responses = {name: list(df["response"]) for name, df in by_model.items()}
 
-    tokenizer, device = load_tokenizer(cfg.path("sft")), runtime.device()
-    math = cfg.data.source == "math"
-    reward = _verifier(cfg) if math else _proxy(cfg, device)
-    k = cfg.eval.pass_k if math else 1
-    sft = load_causal_lm(cfg.path("sft")).to(device)
-    ids, policies = encode_prompts(tokenizer, list(prompts["prompt"]), cfg.data.chat_template), models(cfg)
-    kl, scores = {"sft": np.zeros(len(prompts))}, {}  # the SFT policy's KL to itself is 0
-    for name, (folder, _) in policies.items():
-        policy, kl_to = (sft, None) if name == "sft" else (load_causal_lm(folder).to(device), sft)
-        torch.manual_seed(cfg.seed)  # a model's samples must not depend on how much randomness the others used
-        with stage_engine(cfg.eval.engine, folder, tokenizer, ids, cfg.eval.max_new_tokens, device, cfg.seed) as e:
-            policy_kl, scores[name] = kl_and_scores(policy, kl_to, reward, tokenizer, ids, cfg, device, e, k)
-        if kl_to is not None:
-            kl[name] = policy_kl
+    policies = models(cfg)
+    jobs = [(cfg, name, folder, list(prompts["prompt"])) for name, (folder, _) in policies.items()]
+    results = runtime.map_in_processes(_kl_and_scores_of, jobs, processes(cfg, runtime.device()))
+    kl = {name: policy_kl for name, (policy_kl, _) in zip(policies, results)}
+    scores = {name: model_scores for name, (_, model_scores) in zip(policies, results)}
     episodes = {name: episode for name, (_, episode) in policies.items()}
-    if math:
+    if cfg.data.source == "math":
         metrics = _write_math(cfg, prompts, responses, scores, kl, episodes)
     else:
         metrics = _write(cfg, prompts, responses, scores, kl, episodes)
     print("evaluate: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "n_prompts"))
     return metrics
+
+
+def _kl_and_scores_of(job: tuple[Config, str, Path, list[str]]) -> tuple[np.ndarray, np.ndarray]:
+    """kl_and_scores of the model `name` saved in `folder` on the prompts (texts): its KL to the SFT policy per
+    prompt (zeros for the SFT policy itself) and the reward of each of its samples (the proxy RM; the verifier on
+    the math task, eval.pass_k samples a problem)."""
+    from rlhf.models.loading import encode_prompts, load_causal_lm, load_tokenizer
+
+    cfg, name, folder, texts = job
+    tokenizer, device = load_tokenizer(cfg.path("sft")), runtime.device()
+    math = cfg.data.source == "math"
+    reward = _verifier(cfg) if math else _proxy(cfg, device)
+    sft = load_causal_lm(cfg.path("sft")).to(device)
+    ids = encode_prompts(tokenizer, texts, cfg.data.chat_template)
+    policy, kl_to = (sft, None) if name == "sft" else (load_causal_lm(folder).to(device), sft)
+    torch.manual_seed(cfg.seed)  # a model's samples must not depend on how much randomness the others used
+    with stage_engine(cfg.eval.engine, folder, tokenizer, ids, cfg.eval.max_new_tokens, device, cfg.seed) as e:
+        policy_kl, scores = kl_and_scores(
+            policy, kl_to, reward, tokenizer, ids, cfg, device, e, cfg.eval.pass_k if math else 1
+        )
+    return (policy_kl if kl_to is not None else np.zeros(len(ids))), scores  # the SFT policy's KL to itself is 0
 
 
 def _proxy(cfg: Config, device) -> ProxyReward:

@@ -197,8 +197,10 @@ def _logprobs(run: Run, inputs: ModelInput, gen: Generated, chunk: int = 64):
     """Step 5: behaviour log-probs, reference log-probs (N, T), 0 on padding, and values (N, T) or None.
 
     Behaviour log-probs come from the training forward (so the on-policy ratio is exactly 1), unless the
-    objective only reports them (DPO, best-of-k) and the engine returned its own sampling log-probs. Reference
-    log-probs come from the engine when it computed them (train.score_in_engine), else from the learner's reference.
+    objective only reports them and the engine returned its own sampling log-probs: DPO, best-of-k, and GRPO and
+    RLOO with one optimizer step per batch (objectives.one_step_per_batch: their losses use their own forward's).
+    Reference log-probs come from the engine when it computed them (train.score_in_engine), else from the learner's
+    reference.
     """
     objective, temperature = run.objective, run.cfg.train.temperature
     behaviour = objective.needs_behaviour_logprobs or gen.logprobs is None

@@ -29,7 +29,8 @@ class Rollout:
     response_mask: torch.Tensor  # (N, T) True on real response tokens, EOS included
     scores: torch.Tensor  # (N,) reward after the missing-EOS penalty
     logp: torch.Tensor  # (N, T) behaviour log-probs, 0 on padding: recomputed with the training forward, or
-    # (DPO, best-of-k: only reported) the engine's sampling log-probs
+    # the engine's sampling log-probs where they are only reported (DPO, best-of-k; GRPO and RLOO with one
+    # optimizer step per batch, whose losses take them from their own forward)
     ref_logp: torch.Tensor  # (N, T)
     values: torch.Tensor | None  # (N, T) PPO only
     context: int  # C
@@ -68,15 +69,29 @@ def _flat(mb: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
 
 def _kl_and_stats(r: Rollout, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token KL to the reference (N, T), 0 on padding, and the sequence-level objective/* stats."""
-    kl = kl_penalty(r.logp, r.ref_logp, cfg.kl_estimator) * r.response_mask
+    return _kl(r.logp, r.ref_logp, r.response_mask, r.scores, cfg)
+
+
+def _kl(logp, ref_logp, mask, scores, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """_kl_and_stats of tensors: logp, ref_logp (N, T), mask (N, T) bool, scores (N,)."""
+    kl = kl_penalty(logp, ref_logp, cfg.kl_estimator) * mask
     seq_kl = kl.sum(1)
     non_score = -cfg.kl_coef * seq_kl
     stats = {
         "objective/kl": seq_kl.mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
-        "objective/rlhf_reward": (r.scores + non_score).mean().item(),
+        "objective/rlhf_reward": (scores + non_score).mean().item(),
     }
     return kl, stats
+
+
+def one_step_per_batch(cfg: TrainConfig) -> bool:
+    """True when each generated batch gets exactly one optimizer step (E = M = 1) and no importance weights: then
+    every micro-batch's forward runs on the weights that were current when the batch was collected, so its
+    log-probs, detached, ARE the behaviour log-probs, and the separate no-grad forward of step 5 is redundant
+    (TRL's GRPO does the same when num_iterations is 1). Importance weights (train.tis_cap) need them before the
+    update, so they keep the separate forward."""
+    return cfg.num_ppo_epochs == 1 and cfg.num_mini_batches == 1 and cfg.tis_cap is None
 
 
 @dataclass
@@ -120,45 +135,73 @@ class PPO:
 
 @dataclass
 class RLOO:
+    """With one optimizer step per batch (one_step_per_batch) the KL-penalised rewards and their leave-one-out
+    advantages are computed in `loss`, from the training forward's detached log-probs: a micro-batch holds whole
+    prompts, so each sample's K-1 siblings are there. The same numbers as from a separate forward, one forward less."""
+
     cfg: TrainConfig
     needs_values = False
-    needs_behaviour_logprobs = True
+
+    @property
+    def needs_behaviour_logprobs(self) -> bool:
+        return not one_step_per_batch(self.cfg)
 
     def prepare(self, r: Rollout):
-        kl, stats = _kl_and_stats(r, self.cfg)
+        kl, stats = _kl_and_stats(r, self.cfg)  # with one step per batch: the engine's log-probs, reported only
+        if not self.needs_behaviour_logprobs:
+            return r.grouped(scores=r.scores, ref_logp=r.ref_logp), stats
         rlhf_reward = r.scores - self.cfg.kl_coef * kl.sum(1)
         advantages = r.weighted(rloo.rloo_advantages(rlhf_reward, r.k))
         groups = r.grouped(old_logp_sum=(r.logp * r.response_mask).sum(1), advantages=advantages)
         return groups, stats
 
     def loss(self, model, mb):
-        seq, attn, pos, mask, old_sum, adv = _flat(
-            mb, "sequences", "attn", "positions", "mask", "old_logp_sum", "advantages"
-        )
+        seq, attn, pos, mask = _flat(mb, "sequences", "attn", "positions", "mask")
         logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
-        loss, stats = rloo.sequence_policy_loss((logp * mask).sum(1), old_sum, adv, self.cfg.cliprange)
-        return loss, {**_named("policy", stats), "loss/policy": loss.item()}
+        logp_sum, objective = (logp * mask).sum(1), {}
+        if self.needs_behaviour_logprobs:
+            old_sum, adv = _flat(mb, "old_logp_sum", "advantages")
+        else:
+            scores, ref_logp = _flat(mb, "scores", "ref_logp")
+            kl, objective = _kl(logp.detach(), ref_logp, mask, scores, self.cfg)
+            adv = rloo.rloo_advantages(scores - self.cfg.kl_coef * kl.sum(1), mb["mask"].shape[1])
+            old_sum = logp_sum.detach()
+        loss, stats = rloo.sequence_policy_loss(logp_sum, old_sum, adv, self.cfg.cliprange)
+        return loss, {**_named("policy", stats), "loss/policy": loss.item(), **objective}
 
 
 @dataclass
 class GRPO:
+    """With one optimizer step per batch (one_step_per_batch) the ratio's denominator is the training forward's own
+    detached log-probs (the ratio is exactly 1), and the objective/kl stats come from that forward too."""
+
     cfg: TrainConfig
     needs_values = False
-    needs_behaviour_logprobs = True
+
+    @property
+    def needs_behaviour_logprobs(self) -> bool:
+        return not one_step_per_batch(self.cfg)
 
     def prepare(self, r: Rollout):
-        _, stats = _kl_and_stats(r, self.cfg)
+        _, stats = _kl_and_stats(r, self.cfg)  # with one step per batch: the engine's log-probs, reported only
         advantages = r.weighted(grpo.group_advantages(r.scores, r.k))
-        groups = r.grouped(old_logp=r.logp, ref_logp=r.ref_logp, advantages=advantages)
-        return groups, stats
+        if self.needs_behaviour_logprobs:
+            return r.grouped(old_logp=r.logp, ref_logp=r.ref_logp, advantages=advantages), stats
+        return r.grouped(ref_logp=r.ref_logp, advantages=advantages, scores=r.scores), stats
 
     def loss(self, model, mb):
-        seq, attn, pos, mask, old_logp, ref_logp, adv = _flat(
-            mb, "sequences", "attn", "positions", "mask", "old_logp", "ref_logp", "advantages"
+        seq, attn, pos, mask, ref_logp, adv = _flat(
+            mb, "sequences", "attn", "positions", "mask", "ref_logp", "advantages"
         )
         logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        objective = {}
+        if self.needs_behaviour_logprobs:
+            (old_logp,) = _flat(mb, "old_logp")
+        else:
+            old_logp = logp.detach()
+            _, objective = _kl(old_logp, ref_logp, mask, *_flat(mb, "scores"), self.cfg)
         loss, stats = grpo.grpo_loss(logp, old_logp, ref_logp, adv, mask, self.cfg.cliprange, self.cfg.kl_coef)
-        return loss, {**_named("policy", stats), "loss/policy": loss.item()}
+        return loss, {**_named("policy", stats), "loss/policy": loss.item(), **objective}
 
 
 def _select(mb: dict[str, torch.Tensor], name: str, index: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,85 @@
+"""rlhf.trainers.objectives: GRPO and RLOO with one optimizer step per batch take their behaviour log-probs from
+the training forward itself; the loss, its gradient and the logged objective/* numbers must equal those of the
+separate no-grad forward (step 5 of the loop) they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf.config import ModelConfig, TrainConfig
+from rlhf.models import tiny
+from rlhf.models.batch import assemble
+from rlhf.models.forward import response_logprobs
+from rlhf.trainers.objectives import OBJECTIVES, Rollout, one_step_per_batch
+
+SMALL = ModelConfig(
+    vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48, max_position_embeddings=32
+)
+K = 4
+
+
+@pytest.fixture(scope="module")
+def setting():
+    tok = tiny.train_word_tokenizer(["the movie was great and the plot was bad , i liked it"], vocab_size=64)
+    policy, ref = tiny.build_tiny_model(SMALL, tok, seed=0), tiny.build_tiny_model(SMALL, tok, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, len(tok), (n,), generator=gen).tolist() for n in (3, 5, 4)]
+    responses = torch.randint(4, len(tok), (len(prompts) * K, 6), generator=gen)
+    responses[1, 2], responses[6, 0] = tok.eos_token_id, tok.eos_token_id  # two shorter responses
+    inputs = assemble(prompts, responses, K, tok.pad_token_id, tok.eos_token_id)
+    return policy, ref, inputs
+
+
+def _rollout(policy, ref, inputs, behaviour: torch.Tensor) -> Rollout:
+    rows = (inputs.sequences, inputs.attn, inputs.positions, inputs.context, 0.7)
+    with torch.no_grad():
+        ref_logp = response_logprobs(ref, *rows)
+    mask = inputs.response_mask
+    return Rollout(
+        sequences=inputs.sequences,
+        attn=inputs.attn,
+        positions=inputs.positions,
+        response_mask=mask,
+        scores=torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0, 0.2, 0.2, 0.9, 0.0]),
+        logp=behaviour * mask,
+        ref_logp=ref_logp * mask,
+        values=None,
+        context=inputs.context,
+        k=K,
+    )
+
+
+def _loss_and_grads(objective, policy, rollout: Rollout):
+    groups, stats = objective.prepare(rollout)
+    policy.zero_grad()
+    loss, step_stats = objective.loss(policy, groups)  # the whole batch as one micro-batch
+    loss.backward()
+    grads = [p.grad.clone() for p in policy.parameters() if p.grad is not None]
+    return loss.detach(), grads, {**stats, **step_stats}
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_one_step_per_batch_uses_the_training_forward_and_changes_no_number(setting, trainer):
+    policy, ref, inputs = setting
+    one_step = TrainConfig(trainer=trainer, k=K, kl_coef=0.3)
+    two_steps = TrainConfig(trainer=trainer, k=K, kl_coef=0.3, num_ppo_epochs=2)
+    assert one_step_per_batch(one_step) and not one_step_per_batch(two_steps)
+    assert not one_step_per_batch(TrainConfig(trainer=trainer, k=K, tis_cap=2.0))  # the weights need them first
+    fused, separate = OBJECTIVES[trainer](one_step), OBJECTIVES[trainer](two_steps)
+    assert not fused.needs_behaviour_logprobs and separate.needs_behaviour_logprobs
+    rows = (inputs.sequences, inputs.attn, inputs.positions, inputs.context, 0.7)
+    with torch.no_grad():
+        learner = response_logprobs(policy, *rows)  # what the loop's step 5 computes
+    # The engine's sampling log-probs differ from the learner's (another kernel, or older weights): the fused
+    # objective only reports them, so its loss must not move with them.
+    engine = learner + 0.05 * torch.randn(learner.shape, generator=torch.Generator().manual_seed(1))
+    loss_s, grads_s, stats_s = _loss_and_grads(separate, policy, _rollout(policy, ref, inputs, learner))
+    loss_f, grads_f, stats_f = _loss_and_grads(fused, policy, _rollout(policy, ref, inputs, engine))
+    torch.testing.assert_close(loss_f, loss_s, rtol=1e-5, atol=1e-6)
+    assert len(grads_f) == len(grads_s) > 0 and any(g.abs().sum() > 0 for g in grads_s)
+    for a, b in zip(grads_f, grads_s):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for key in ("objective/kl", "objective/non_score_reward", "objective/rlhf_reward", "policy/approxkl"):
+        assert stats_f[key] == pytest.approx(stats_s[key], rel=1e-4, abs=1e-6), key
+    assert stats_s["objective/kl"] != pytest.approx(0.0, abs=1e-3)  # the reference differs: the KL term counts
