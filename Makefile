@@ -21,15 +21,21 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The vLLM build: CUDA where an NVIDIA driver answers, else CPU (`make VLLM=cpu` forces one).
 VLLM ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 # uv installs the stack (pip took 48 min of a slow 2-core box's setup, uv 5); its cache stays inside the project, like
-# everything else (nothing lands in the user's home). uv reads no pip.conf: the find-links pip is configured with
-# (where a machine keeps wheels on disk, e.g. a CPU build of torch) are passed on.
+# everything else (nothing lands in the user's home). uv reads no pip.conf, so what pip is configured with is passed
+# on: its find-links and extra indexes (where a machine keeps wheels on disk, e.g. a CPU build of torch), read as pip
+# reads them (the best version on any index: the local ones here lack some of our pins), and its constraint files.
 UV := $(VENV)/bin/uv
 UV_VERSION := 0.13.9
 export UV_CACHE_DIR := $(CURDIR)/.cache/uv
 export PIP_CACHE_DIR := $(CURDIR)/.cache/pip
-FIND_LINKS = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+pip_setting = $(or $($(1)),$(shell $(PYTHON) -m pip config list 2>/dev/null | sed -n "s/^global\.$(2)='\(.*\)'$$/\1/p"))
+FIND_LINKS = $(call pip_setting,PIP_FIND_LINKS,find-links)
+EXTRA_INDEXES = $(call pip_setting,PIP_EXTRA_INDEX_URL,extra-index-url)
+CONSTRAINTS = $(call pip_setting,PIP_CONSTRAINT,constraint)
 UV_ARGS = --quiet --python $(VENV)/bin/python
-UV_INSTALL = $(UV) pip install $(UV_ARGS) $(foreach d,$(FIND_LINKS),--find-links $(d))
+UV_INSTALL = $(UV) pip install $(UV_ARGS) $(foreach d,$(FIND_LINKS),--find-links $(d)) \
+	$(foreach u,$(EXTRA_INDEXES),--extra-index-url $(u)) $(if $(EXTRA_INDEXES),--index-strategy unsafe-best-match) \
+	$(foreach c,$(CONSTRAINTS),--constraint $(c))
 # Bytecode is written on first import instead of compiling all ~35k modules at setup (12.5 min on a slow box; a run
 # imports a few thousand): recipes run without a PYTHONDONTWRITEBYTECODE the shell may set.
 unexport PYTHONDONTWRITEBYTECODE

