@@ -199,17 +199,16 @@ def settings_rows(cfg, algo: str) -> list[tuple[str, str, str]]:
         ("prompt order", "loop's permutation", "same list, sequential sampler"),
         ("precision / grad ckpt / threads", "fp32 / off / 1", "fp32 (bf16=False) / off / 1"),
     ]
-    if algo == "online_dpo":
-        from rlhf.trainers.objectives import OBJECTIVES
+    from rlhf.trainers.objectives import OBJECTIVES
 
-        reuse = not getattr(
-            OBJECTIVES[algo], "needs_behaviour_logprobs", True
-        )  # KL/entropy stats from the sampler's log-probs
-        forwards = "ref + policy grad" if reuse else "policy no-grad (stats) + ref + policy grad"
+    # the behaviour log-probs from the update's forward, or stats from the sampler's log-probs: no no-grad forward
+    reuse = not OBJECTIVES[algo](c).needs_behaviour_logprobs
+    ours = "ref + policy grad" if reuse else "policy no-grad + ref + policy grad"
+    if algo == "online_dpo":
         rows += [
             ("DPO beta / loss", f"{c.beta} / {c.loss_type}", f"{c.beta} / {c.loss_type}"),
             ("tied pairs", "dropped", "kept, first sample chosen  (NOT matched)"),
-            ("forwards per batch", forwards, "ref + policy grad"),
+            ("forwards per batch", ours, "ref + policy grad"),
         ]
     else:
         rows += [
@@ -219,7 +218,7 @@ def settings_rows(cfg, algo: str) -> list[tuple[str, str, str]]:
                 f"{c.cliprange} / RLOO, unnormalised",
                 f"epsilon={c.cliprange} / normalize_advantages=False",
             ),
-            ("forwards per batch", "policy no-grad + ref + policy grad", "policy no-grad + ref + policy grad"),
+            ("forwards per batch", ours, "policy no-grad + ref + policy grad"),
         ]
     return rows
 

@@ -9,7 +9,7 @@ import torch
 
 from rlhf.config import ModelConfig
 from rlhf.models import loading, tiny
-from rlhf.models.forward import scalar_head, sequence_scores
+from rlhf.models.forward import response_logprobs, scalar_head, sequence_scores
 
 TEXTS = [
     "The movie was great, and the acting was great!",
@@ -58,6 +58,27 @@ def test_word_tokenizer_vocab_specials_and_round_trip(tmp_path, tok):
 
 
 # --- tiny model, save/load -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt_neox"])
+def test_response_logprobs_read_the_response_positions_of_the_full_logits(tok, architecture):
+    """response_logprobs puts only the last T+1 positions through the LM head (logits_to_keep): the same numbers as
+    the log-softmax of the whole forward's logits at positions C-1 .. C+T-2, left padding and a LoRA wrap included."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlhf.algorithms.common import logprobs_from_logits
+    from rlhf.models.batch import assemble
+
+    model = tiny.build_tiny_model(SMALL.model_copy(update={"architecture": architecture}), tok, seed=3)
+    lora = get_peft_model(tiny.build_tiny_model(SMALL, tok, seed=3), LoraConfig(r=2, target_modules="all-linear"))
+    responses = torch.tensor([[5, 6, 3, 0], [7, 8, 9, 10], [4, 3, 0, 0], [11, 12, 13, 3]])
+    batch = assemble([[4, 5, 6], [7, 8, 9, 10, 11]], responses, 2, tok.pad_token_id, tok.eos_token_id)
+    rows, C = (batch.sequences, batch.attn, batch.positions), batch.context
+    for m in (model, lora):
+        full = m(input_ids=batch.sequences, attention_mask=batch.attn, position_ids=batch.positions).logits
+        assert full.shape[1] == C + 4  # the model computed every position's logits
+        expected = logprobs_from_logits(full[:, C - 1 : -1], batch.sequences[:, C:], 0.7)
+        torch.testing.assert_close(response_logprobs(m, *rows, C, 0.7), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt_neox"])

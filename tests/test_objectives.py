@@ -9,7 +9,7 @@ import torch
 
 from rlhf.config import ModelConfig, TrainConfig
 from rlhf.models import tiny
-from rlhf.models.batch import assemble
+from rlhf.models.batch import assemble, trim_padding
 from rlhf.models.forward import response_logprobs
 from rlhf.trainers.objectives import OBJECTIVES, Rollout, one_step_per_batch
 
@@ -83,3 +83,37 @@ def test_one_step_per_batch_uses_the_training_forward_and_changes_no_number(sett
     for key in ("objective/kl", "objective/non_score_reward", "objective/rlhf_reward", "policy/approxkl"):
         assert stats_f[key] == pytest.approx(stats_s[key], rel=1e-4, abs=1e-6), key
     assert stats_s["objective/kl"] != pytest.approx(0.0, abs=1e-3)  # the reference differs: the KL term counts
+
+
+@pytest.mark.parametrize("trainer", ["rloo", "grpo", "online_dpo", "bok"])
+def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradients(setting, trainer):
+    """The loop trims the columns that are padding in every row of a micro-batch (rlhf.models.batch.trim_padding):
+    fewer tokens through the model, the same loss and gradients."""
+    policy, ref, inputs = setting
+    # responses that all end by column 4 of 8: the last 3 columns are padding everywhere
+    responses = torch.full((12, 8), 10)
+    for row, length in enumerate([3, 5, 2, 4, 1, 5, 3, 2, 4, 4, 5, 1]):
+        responses[row, length - 1] = 3  # EOS (the tiny tokenizer's id 3) ends the response there
+    prompts = [[5, 6, 7], [8, 9, 10, 4, 5], [6, 7, 8, 9]]
+    short = assemble(prompts, responses, K, 0, 3)
+    assert short.response_mask.shape[1] == 8 and int(short.response_mask.sum(1).max()) == 5
+    with torch.no_grad():
+        learner = response_logprobs(policy, short.sequences, short.attn, short.positions, short.context, 0.7)
+    objective = OBJECTIVES[trainer](TrainConfig(trainer=trainer, k=K, kl_coef=0.3, num_ppo_epochs=2))
+    groups, _ = objective.prepare(_rollout(policy, ref, short, learner))
+    first = {name: t[:1] for name, t in groups.items()}  # prompt 0 alone: 3 of the 5 prompt columns are padding
+    trimmed = trim_padding(first)
+    assert trimmed["sequences"].shape[-1] == 3 + 5 and trimmed["mask"].shape[-1] == 5
+    for mb in (groups, first):
+        cut = trim_padding(mb)
+        assert cut["sequences"].shape[-1] < mb["sequences"].shape[-1]
+        policy.zero_grad()
+        full_loss, _ = objective.loss(policy, mb)
+        full_loss.backward()
+        full_grads = [p.grad.clone() for p in policy.parameters()]
+        policy.zero_grad()
+        cut_loss, _ = objective.loss(policy, cut)
+        cut_loss.backward()
+        torch.testing.assert_close(cut_loss, full_loss, rtol=1e-5, atol=1e-6)
+        for a, b in zip((p.grad for p in policy.parameters()), full_grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -80,3 +80,30 @@ def attention_and_positions(
     attn = torch.cat([prompt_mask, response_mask], dim=1).long()
     positions = (attn.cumsum(dim=1) - 1).clamp(min=0)
     return attn, positions
+
+
+def trim_padding(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A micro-batch without the columns that are padding in every row: the prompt's leading columns no row's
+    prompt reaches and the response's trailing columns after every row's last real token. The forward computes the
+    same numbers for the real tokens (causal attention, explicit positions, masked losses), on fewer tokens: a
+    micro-batch of short answers no longer pays for the longest answer of the whole batch, or for max_new_tokens.
+
+    mb: the loop's per-prompt tensors (rlhf.trainers.objectives), "sequences", "attn", "positions" (P, K, C+T) and
+    "mask" (P, K, T) bool; every other 3-dim tensor whose last dim is T is per response token and is cut alike;
+    tensors of other shapes pass unchanged."""
+    attn, mask = mb["attn"], mb["mask"]
+    full, T = attn.shape[-1], mask.shape[-1]
+    C = full - T
+    # left padding: every prompt ends in column C-1, so the first column some prompt reaches is <= C-1
+    first = int(attn[..., :C].flatten(0, -2).any(0).long().argmax())
+    response_used = mask.flatten(0, -2).any(0)  # (T,)
+    t = int(response_used.nonzero().max()) + 1 if bool(response_used.any()) else 1
+    out = {}
+    for name, x in mb.items():
+        if x.dim() == 3 and x.shape[-1] == full and name in ("sequences", "attn", "positions"):
+            out[name] = x[..., first : C + t]
+        elif x.dim() == 3 and x.shape[-1] == T:
+            out[name] = x[..., :t]
+        else:
+            out[name] = x
+    return out

@@ -21,10 +21,16 @@ def response_logprobs(
     context: int,
     temperature: float,
 ) -> torch.Tensor:
-    """Log-probs (n, T) of the sampled response tokens under the tempered policy softmax(logits / T)."""
-    out = model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False)
-    # the logits at positions C-1 .. C+T-2 predict the response tokens
-    return logprobs_from_logits(out.logits[:, context - 1 : -1].float(), sequences[:, context:], temperature)
+    """Log-probs (n, T) of the sampled response tokens under the tempered policy softmax(logits / T).
+
+    Only the last T+1 positions go through the LM head (transformers' `logits_to_keep`, as TRL's GRPO does): the
+    prompt's logits, (n, C, vocab) floats, were computed and thrown away. 3% of a SmolLM2 forward and backward on
+    the AVX2 box (8 x (73 + 96) tokens, LoRA: 17.4 vs 17.9 s); on a GPU, mostly that memory."""
+    keep = sequences.shape[1] - context + 1
+    out = model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False, logits_to_keep=keep)
+    # the logits at positions C-1 .. C+T-2 predict the response tokens (counted from the end: a model that ignored
+    # logits_to_keep would still be read right)
+    return logprobs_from_logits(out.logits[:, -keep:-1].float(), sequences[:, context:], temperature)
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from rlhf.config import Config, config_yaml
 from rlhf.generation.base import Generated
 from rlhf.generation.weights import full_weights
 from rlhf.io import atomic_dir, write_text
-from rlhf.models.batch import ModelInput, assemble
+from rlhf.models.batch import ModelInput, assemble, trim_padding
 from rlhf.models.forward import reference_logprobs, response_logprobs, response_logprobs_and_values
 from rlhf.models.loading import save_policy
 from rlhf.runtime import crash_point
@@ -243,7 +243,7 @@ def update(run: Run, groups: dict[str, torch.Tensor], t: int, state: checkpoint.
         for m in range(c.num_mini_batches):
             for g in range(G):
                 idx = order[(m * G + g) * P : (m * G + g + 1) * P]
-                stats.append(_micro_step(run, {k: v[idx] for k, v in groups.items()}, t))
+                stats.append(_micro_step(run, trim_padding({k: v[idx] for k, v in groups.items()}), t))
             state.global_step += 1
     return stats
 
