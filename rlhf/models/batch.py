@@ -94,10 +94,11 @@ def trim_padding(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     attn, mask = mb["attn"], mb["mask"]
     full, T = attn.shape[-1], mask.shape[-1]
     C = full - T
-    # left padding: every prompt ends in column C-1, so the first column some prompt reaches is <= C-1
-    first = int(attn[..., :C].flatten(0, -2).any(0).long().argmax())
-    response_used = mask.flatten(0, -2).any(0)  # (T,)
-    t = int(response_used.nonzero().max()) + 1 if bool(response_used.any()) else 1
+    # Left padding: every prompt ends in column C-1, so the first column some prompt reaches is at most C-1; argmax
+    # finds the first True. min(): where the values cannot be read (tests' meta device), a valid cut anyway.
+    first = min(int(attn[..., :C].flatten(0, -2).any(0).long().argmax()), C - 1)
+    # the response's last column some row reaches: the first True counted from the end
+    t = T - min(int(mask.flatten(0, -2).any(0).flip(0).long().argmax()), T - 1)
     out = {}
     for name, x in mb.items():
         if x.dim() == 3 and x.shape[-1] == full and name in ("sequences", "attn", "positions"):
