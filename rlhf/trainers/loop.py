@@ -233,7 +233,8 @@ def _importance_weights(run: Run, logp: torch.Tensor, gen: Generated, inputs: Mo
 
 
 def update(run: Run, groups: dict[str, torch.Tensor], t: int, state: checkpoint.LoopState) -> list[dict]:
-    """Step 7: E epochs of M mini-batches over this rank's prompts, each G micro-batches of P prompts."""
+    """Step 7: E epochs of M mini-batches over this rank's prompts, each G micro-batches of P prompts, each without
+    the columns that are padding in all its rows (batch.trim_padding)."""
     c = run.cfg.train
     P, G = c.per_device_train_batch_size, c.gradient_accumulation_steps
     run.model.train()
