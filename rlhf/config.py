@@ -230,9 +230,9 @@ class TrainConfig(_Section):
     score_in_engine: Literal["auto", "always", "never"] = Field(
         "auto",
         description="vllm_async: score batches and compute their reference log-probs in the engine process "
-        "(overlapped with training) or in the learner; auto: each batch on whichever side waited less for the other "
-        "lately (with several Ray engines auto is always); always: the learner loads no reference model. Same numbers "
-        "either way",
+        "(overlapped with training) or in the learner; auto: in the engine, moved to the learner while the learner "
+        "waits for batches longer than the scoring costs the engine (with several Ray engines auto is always); always: "
+        "the learner loads no reference model. Same numbers either way",
     )
     tis_cap: float | None = Field(
         None,

@@ -39,10 +39,10 @@ it, see rlhf.generation.shared): each batch is sampled after the previous update
 Scoring: given a RewardSpec, the engine process can also score a batch (post-processed exactly as the learner
 would, with the same code: the same scores) right after sampling it, so the reward model's forward overlaps
 training; given a ReferenceSpec it computes the batch's reference log-probs there too (the reference is the frozen
-SFT model: where it runs changes only the time). `score` = "always", or "auto": each submitted batch is scored in
-the engine unless the learner has lately waited longer for batches than the engine waited for work (then the
-engine is the bottleneck and the learner scores it; Generated.scores is None). Either way the numbers are the same,
-so runs stay deterministic.
+SFT model: where it runs changes only the time). `score` = "always", or "auto": batches are scored in the engine
+until the learner waits for them longer than the scoring costs the engine (then moving it to the learner shortens
+the step; Generated.scores is None), and back once the engine idles longer than that (`engine_scores_next`).
+Either way the numbers are the same, so runs stay deterministic.
 
 Timing, `stats()` after each receive, for the batch just received:
   timing/engine_idle          seconds the engine waited for work since it sent the previous batch
@@ -73,6 +73,17 @@ from rlhf.generation.base import Generated, SamplingParams
 from rlhf.generation.engine_process import POLL_SECONDS, EngineSpec, engine_process_main
 from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapshot, write_snapshot
 from rlhf.runtime import env_int
+
+
+def engine_scores_next(engine_scores: bool, learner_wait: float, engine_idle: float, cost: float) -> bool:
+    """score_in_engine: auto. Whether the engine scores the next batch (the reward model's and the reference's
+    forwards: `cost` seconds a batch there), given whether it scores now and, since then, the learner's wait for
+    batches and the engine's wait for work (seconds a batch). Moving the scoring adds `cost` to one side and takes it
+    from the other, so it pays only when the side doing it is the slower one by more than `cost`: moved to the
+    learner when the learner waits longer than that, back to the engine when the engine idles longer."""
+    if engine_scores:
+        return learner_wait - engine_idle <= cost
+    return engine_idle - learner_wait > cost
 
 
 class EngineProcess:
@@ -197,7 +208,10 @@ class AsyncEngine:
         self._stats: dict[str, float] = {}
         self._snapshot_seconds = 0.0
         self._score = score if spec.reward is not None else "never"
-        self._learner_wait = self._engine_idle = 0.0  # moving averages, seconds per batch: who waits for whom
+        # score_in_engine auto: moving averages, seconds per batch, of who waits for whom since the scoring last
+        # moved, and of what scoring costs the engine; where the next batch is scored
+        self._learner_wait = self._engine_idle = self._scoring_cost = 0.0
+        self._engine_scores, self._filled = self._score != "never", False
         self.start_seconds = float("nan")
         self._process = process or EngineProcess(spec.device, max_staleness)
         self._finalizer = weakref.finalize(self, _close, self._process, self.work_dir)
@@ -216,7 +230,11 @@ class AsyncEngine:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, parts: list[int] | None = None) -> None:
         batch = self._next_batch
-        score = self._score == "always" or (self._score == "auto" and self._learner_wait <= self._engine_idle)
+        if self._score == "auto":
+            scores = engine_scores_next(self._engine_scores, self._learner_wait, self._engine_idle, self._scoring_cost)
+            if scores != self._engine_scores:  # fresh evidence from here on, about the new placement
+                self._engine_scores, self._learner_wait, self._engine_idle = scores, 0.0, 0.0
+        score = self._score == "always" or (self._score == "auto" and self._engine_scores)
         self._put(("generate", batch, prompts, params, score, parts or [len(prompts)]))
         self._pending.append(batch)
         self._next_batch += 1
@@ -231,8 +249,12 @@ class AsyncEngine:
         while batch not in self._ready:
             self._handle(self._next_message(timeout=None))
         gen, stats = self._ready.pop(batch)
-        self._learner_wait = 0.7 * self._learner_wait + 0.3 * (time.perf_counter() - waited)
-        self._engine_idle = 0.7 * self._engine_idle + 0.3 * stats["timing/engine_idle"]
+        if self._filled:  # the first batch's wait is the engine's start and a pipeline filling up: not evidence
+            self._learner_wait = 0.7 * self._learner_wait + 0.3 * (time.perf_counter() - waited)
+            self._engine_idle = 0.7 * self._engine_idle + 0.3 * stats["timing/engine_idle"]
+        self._filled = True
+        if (cost := stats.get("timing/scoring_engine", 0.0)) > 0:
+            self._scoring_cost = 0.7 * self._scoring_cost + 0.3 * cost if self._scoring_cost else cost
         self._pending.popleft()
         self._stats = {**stats, "timing/weight_snapshot": self._snapshot_seconds}
         return gen
