@@ -234,8 +234,7 @@ class AsyncEngine:
             scores = engine_scores_next(self._engine_scores, self._learner_wait, self._engine_idle, self._scoring_cost)
             if scores != self._engine_scores:  # fresh evidence from here on, about the new placement
                 self._engine_scores, self._learner_wait, self._engine_idle = scores, 0.0, 0.0
-        score = self._score == "always" or (self._score == "auto" and self._engine_scores)
-        self._put(("generate", batch, prompts, params, score, parts or [len(prompts)]))
+        self._put(("generate", batch, prompts, params, self._engine_scores, parts or [len(prompts)]))
         self._pending.append(batch)
         self._next_batch += 1
 

@@ -92,8 +92,8 @@ def trim_padding(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     "mask" (P, K, T) bool; every other 3-dim tensor whose last dim is T is per response token and is cut alike;
     tensors of other shapes pass unchanged."""
     attn, mask = mb["attn"], mb["mask"]
-    full, T = attn.shape[-1], mask.shape[-1]
-    C = full - T
+    T = mask.shape[-1]
+    C = attn.shape[-1] - T
     # Left padding: every prompt ends in column C-1, so the first column some prompt reaches is at most C-1; argmax
     # finds the first True. min(): where the values cannot be read (tests' meta device), a valid cut anyway.
     first = min(int(attn[..., :C].flatten(0, -2).any(0).long().argmax()), C - 1)
@@ -101,7 +101,7 @@ def trim_padding(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     t = T - min(int(mask.flatten(0, -2).any(0).flip(0).long().argmax()), T - 1)
     out = {}
     for name, x in mb.items():
-        if x.dim() == 3 and x.shape[-1] == full and name in ("sequences", "attn", "positions"):
+        if name in ("sequences", "attn", "positions"):
             out[name] = x[..., first : C + t]
         elif x.dim() == 3 and x.shape[-1] == T:
             out[name] = x[..., :t]

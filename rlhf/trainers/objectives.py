@@ -147,9 +147,9 @@ class RLOO:
         return not one_step_per_batch(self.cfg)
 
     def prepare(self, r: Rollout):
-        kl, stats = _kl_and_stats(r, self.cfg)  # with one step per batch: the engine's log-probs, reported only
-        if not self.needs_behaviour_logprobs:
-            return r.grouped(scores=r.scores, ref_logp=r.ref_logp), stats
+        if not self.needs_behaviour_logprobs:  # the loss computes the rewards and reports objective/*
+            return r.grouped(scores=r.scores, ref_logp=r.ref_logp), {}
+        kl, stats = _kl_and_stats(r, self.cfg)
         rlhf_reward = r.scores - self.cfg.kl_coef * kl.sum(1)
         advantages = r.weighted(rloo.rloo_advantages(rlhf_reward, r.k))
         groups = r.grouped(old_logp_sum=(r.logp * r.response_mask).sum(1), advantages=advantages)
@@ -183,11 +183,11 @@ class GRPO:
         return not one_step_per_batch(self.cfg)
 
     def prepare(self, r: Rollout):
-        _, stats = _kl_and_stats(r, self.cfg)  # with one step per batch: the engine's log-probs, reported only
         advantages = r.weighted(grpo.group_advantages(r.scores, r.k))
-        if self.needs_behaviour_logprobs:
-            return r.grouped(old_logp=r.logp, ref_logp=r.ref_logp, advantages=advantages), stats
-        return r.grouped(ref_logp=r.ref_logp, advantages=advantages, scores=r.scores), stats
+        if not self.needs_behaviour_logprobs:  # the loss reports objective/* from its own forward
+            return r.grouped(ref_logp=r.ref_logp, advantages=advantages, scores=r.scores), {}
+        _, stats = _kl_and_stats(r, self.cfg)
+        return r.grouped(old_logp=r.logp, ref_logp=r.ref_logp, advantages=advantages), stats
 
     def loss(self, model, mb):
         seq, attn, pos, mask, ref_logp, adv = _flat(
