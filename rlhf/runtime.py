@@ -110,6 +110,35 @@ def device():
     return PartialState().device
 
 
+# Cores this process keeps off while an engine of its runs there (engine key -> cores), and the cores it had before
+# the first of them started.
+_engine_cores: dict[object, set[int]] = {}
+_cores_before_engines: set[int] = set()
+
+
+def keep_off_cores(engine, cores: set[int]) -> None:
+    """Keep this process off `cores` while `engine` (any hashable key of its own) runs there in another process, so
+    the scheduler does not put the two on one core; `give_back_cores(engine)` ends it. Engines may start and stop in
+    any order: this process runs on its cores from before the first engine less those some engine still runs on (all
+    of them when the engines run on every one)."""
+    global _cores_before_engines
+    if not _engine_cores:
+        _cores_before_engines = os.sched_getaffinity(0)
+    _engine_cores[engine] = set(cores)
+    _set_cores_left()
+
+
+def give_back_cores(engine) -> None:
+    """End keep_off_cores(engine); safe to call twice."""
+    if _engine_cores.pop(engine, None) is not None:
+        _set_cores_left()
+
+
+def _set_cores_left() -> None:
+    taken = set().union(*_engine_cores.values())
+    os.sched_setaffinity(0, (_cores_before_engines - taken) or _cores_before_engines)
+
+
 def map_in_processes(fn, items: list, processes: int) -> list:
     """[fn(item) for item in items], in up to `processes` worker processes at once, each set up as this one (the
     environment variables it inherits, one torch thread), when that is more than 1 and more than one CPU core is

@@ -80,6 +80,17 @@ def warm_processes():
     multiprocessing.spawn.set_executable(str(warm.start()))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def cores_given_back():
+    """A module's tests leave this process the CPU cores they found: an engine that keeps the trainer off its core
+    gives it back at close (one that did not would leave later tests, e.g. map_in_processes, on fewer cores)."""
+    cores = os.sched_getaffinity(0)
+    yield
+    left = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    assert left == cores, f"this module's tests left the process on cores {sorted(left)}, not {sorted(cores)}"
+
+
 def folder_digest(folder: Path) -> str:
     """sha256 over every file's relative path and bytes."""
     h = hashlib.sha256()

@@ -170,6 +170,30 @@ def test_auto_scoring_moves_only_when_the_move_shortens_the_step():
     assert engine_scores_next(False, learner_wait=0.0, engine_idle=45.0, cost=30.0)  # the engine idles: back
 
 
+def test_engines_give_back_their_cores_in_any_order():
+    """Each CPU engine keeps the trainer off its core while it runs; two engines of one process that close in the
+    order they started left the trainer on one core for good (the first restored both, the second then restored the
+    one core it had found: a later eval's map_in_processes ran in this process alone)."""
+    from rlhf.runtime import give_back_cores, keep_off_cores
+
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        pytest.fail("this test needs 2 allowed CPU cores")
+    last, rest = max(cores), cores - {max(cores)}
+    first, second = object(), object()
+    keep_off_cores(first, {last})
+    assert os.sched_getaffinity(0) == rest
+    keep_off_cores(second, {last})  # e.g. one Ray engine a core, more engines than cores
+    give_back_cores(first)
+    assert os.sched_getaffinity(0) == rest  # the second still runs there
+    give_back_cores(second)
+    give_back_cores(second)  # twice: nothing left to give
+    assert os.sched_getaffinity(0) == cores
+    keep_off_cores(first, cores)  # engines on every core: the trainer keeps them all rather than none
+    assert os.sched_getaffinity(0) == cores
+    give_back_cores(first)
+
+
 def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
     """train.score_in_engine moves the reward model's and the reference's forwards into the engine process: the very
     same numbers (so "auto", which picks a side per batch by timing, keeps runs deterministic). With "always" the

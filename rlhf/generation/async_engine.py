@@ -72,7 +72,7 @@ import torch
 from rlhf.generation.base import Generated, SamplingParams
 from rlhf.generation.engine_process import POLL_SECONDS, EngineSpec, engine_process_main
 from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapshot, write_snapshot
-from rlhf.runtime import env_int
+from rlhf.runtime import env_int, give_back_cores, keep_off_cores
 
 
 def engine_scores_next(engine_scores: bool, learner_wait: float, engine_idle: float, cost: float) -> bool:
@@ -106,11 +106,11 @@ class EngineProcess:
         self.proc.start()
         writer.close()  # the engine holds the only write end: its death closes the pipe
         # The engine pins itself to the last core; the trainer keeps the others, or the scheduler puts it on the
-        # engine's core now and then (seen: both at ~50% of one core). Restored at close.
-        self._cores = os.sched_getaffinity(0)
-        if device == "cpu" and len(self._cores) > 1:
-            os.sched_setaffinity(0, sorted(self._cores)[:-1])
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.stop, self.inbox, self.results, self._cores)
+        # engine's core now and then (seen: both at ~50% of one core). Given back at close.
+        cores, key = os.sched_getaffinity(0), object()
+        if device == "cpu" and len(cores) > 1:
+            keep_off_cores(key, {max(cores)})
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.stop, self.inbox, self.results, key)
         # Run before multiprocessing's own exit hook, which would join the (non-daemon) engine forever.
         self._finalizer.atexit = False
         atexit.register(self._finalizer)
@@ -377,10 +377,10 @@ def _close(process: EngineProcess, work_dir: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _shutdown(proc, stop, inbox, results, cores: set[int], timeout: float = 30.0) -> None:
-    """Stop the engine process, free the channels, give the trainer its cores back (EngineProcess's finalizer:
-    runs once)."""
-    os.sched_setaffinity(0, cores)
+def _shutdown(proc, stop, inbox, results, cores_key: object, timeout: float = 30.0) -> None:
+    """Stop the engine process, free the channels, give the trainer the engine's core back (EngineProcess's
+    finalizer: runs once)."""
+    give_back_cores(cores_key)
     if proc.is_alive():
         stop.set()  # skip batches still queued
         try:

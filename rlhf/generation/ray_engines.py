@@ -37,7 +37,7 @@ import psutil
 import torch
 
 from rlhf.generation.weights import SharedWeights
-from rlhf.runtime import CACHE, OFFLINE_ENV
+from rlhf.runtime import CACHE, OFFLINE_ENV, give_back_cores, keep_off_cores
 
 # On a slow or loaded machine the raylet gives up on its dashboard agent after a fixed 15 s and the node fails to
 # start ("The current node timed out during startup", ray-project/ray#65983): the agent's start varies with the load.
@@ -222,9 +222,9 @@ class RayEngines:
         self._parts: dict[tuple, tuple[int, dict]] = {}  # (kind, key) -> (calls made, engine index -> value)
         self._done: deque[tuple] = deque()  # messages ready for recv
         self._failed: RuntimeError | None = None
-        self._cores = set(cores)
-        if pin and num_engines < len(cores):  # the trainer keeps the cores no engine took; restored at close
-            os.sched_setaffinity(0, cores[: len(cores) - num_engines])
+        self._cores_key = object()
+        if pin:  # the trainer keeps the cores no engine took (all when they took every one); given back at close
+            keep_off_cores(self._cores_key, {cores[-1 - e % len(cores)] for e in range(num_engines)})
 
     @property
     def pid(self) -> None:
@@ -291,7 +291,7 @@ class RayEngines:
             self._local, _local_users = False, _local_users - 1
             if _local_users == 0 and ray.is_initialized():
                 ray.shutdown()
-        os.sched_setaffinity(0, self._cores)
+        give_back_cores(self._cores_key)
 
     def _call(self, kind: str, key, refs: dict[int, object]) -> None:
         """Track the calls `refs` (engine index -> ObjectRef) as the parts of one message."""
