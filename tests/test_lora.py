@@ -108,7 +108,7 @@ def _stage(stage: str, *settings: str) -> subprocess.CompletedProcess:
 def test_smollm2_with_lora_trains_through_the_async_vllm_engine_at_micro_size(tmp_path):
     """The smollm2 code path (the packaged pretrained model, LoRA, vLLM in its own process) on `ci` sizes."""
     data: Path = tmp_path / "data"
-    smol = [f"data_dir={data}", "model.source=smollm2", "sft.train=false"]
+    smol = [f"data_dir={data}", "model.source=smollm2", "sft.train=false", "sft.heldout_texts=8"]
     for stage in ("prepare", "gold", "sft"):
         assert (proc := _stage(stage, *smol)).returncode == 0, proc.stderr[-3000:]
     run = ["train.trainer=online_dpo_vllm", "train.reward=gold", "train.lora.rank=4", "train.total_episodes=24"]

@@ -196,16 +196,33 @@ def test_a_shallow_mean_pooled_reward_model_scores_the_response_mean_and_keeps_i
 
 
 @pytest.mark.slow
-def test_smollm2_generates_and_round_trips(tmp_path):
+def test_smollm2_is_converted_once_into_the_cache_and_loads_as_converted(tmp_path, monkeypatch):
+    """load_smollm2 reads the GGUF once (~1 min here), keeps the float32 checkpoint in the project's cache and loads
+    that afterwards: the very logits and token ids of the conversion, and no second conversion."""
+    conversions, convert_smollm2 = [], loading.convert_smollm2
+
+    def convert():
+        conversions.append(convert_smollm2())
+        return conversions[-1]
+
+    monkeypatch.setattr(loading, "CACHE", tmp_path / "cache")  # a cold cache: this test converts
+    monkeypatch.setattr(loading, "convert_smollm2", convert)
+    tokenizer_from_gguf = loading.load_smollm2_tokenizer()  # no checkpoint yet: read from the GGUF
     model, tok = loading.load_smollm2()
-    assert model.config.model_type == "llama" and tok.padding_side == "left" and tok.pad_token is not None
+    assert len(conversions) == 1 and loading.smollm2_folder().parent == tmp_path / "cache" / "smollm2"
+    assert not list((tmp_path / "cache" / "smollm2").glob(".*"))  # no temporary folder left
+    converted, converted_tok = conversions[0]
+    assert model.config.model_type == "llama" and tok.padding_side == "left" and tok.pad_token == "<|im_end|>"
     assert 134e6 < tiny.count_parameters(model) < 135e6  # 134.5M per platform.md
     enc = tok(["The movie was"], return_tensors="pt")
+    torch.testing.assert_close(model(**enc).logits, converted(**enc).logits, rtol=0, atol=0)
     out = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-    text = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    assert text.strip()
-    # save + reload (538 MB): same logits on the prompt
-    loading.save_pretrained(model, tok, tmp_path / "smol")
-    reloaded = loading.load_causal_lm(tmp_path / "smol")
-    torch.testing.assert_close(reloaded(**enc).logits, model(**enc).logits, rtol=0, atol=0)
-    assert loading.load_tokenizer(tmp_path / "smol")("The movie was")["input_ids"] == enc["input_ids"][0].tolist()
+    assert tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    chat = [{"role": "user", "content": "What is 3 + 4?"}]
+    for other in (converted_tok, tokenizer_from_gguf, loading.load_smollm2_tokenizer()):
+        assert other("The movie was")["input_ids"] == enc["input_ids"][0].tolist()
+        assert other.apply_chat_template(chat, add_generation_prompt=True) == tok.apply_chat_template(
+            chat, add_generation_prompt=True
+        )
+    loading.load_smollm2()
+    assert len(conversions) == 1  # loaded from the cache

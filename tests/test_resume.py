@@ -80,25 +80,26 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
         assert [float(r["async/staleness"]) for r in rows(ci_data)] == [0.0, 1.0, 1.0, 1.0]
     assert not any((ci_data / "checkpoints").iterdir())  # a finished run removes its resume points
 
-    # batch 1 trained, only batch 0's checkpoint saved
-    first = run_stage(crashed, trainer, crash="after_update:1", extra=extra)
-    assert killed(first, 1), first.stderr[-3000:]
-    [ckpt_dir] = (crashed / "checkpoints").iterdir()
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000001", "frontier"]  # + the policy after batch 0
-    saved = {p.name for p in (ckpt_dir / "batch-000001").iterdir()}
-    assert {
-        "model.safetensors",
-        "optimizer.bin",
-        "scheduler.bin",
-        "random_states_0.pkl",
-        "rank_state_0.json",
-        "metric_rows.json",
-        "trainer_state.json",
-    } <= saved
+    if not extra:  # batch 1 trained, only batch 0's checkpoint saved (the Ray run skips this: 30 s a start)
+        first = run_stage(crashed, trainer, crash="after_update:1", extra=extra)
+        assert killed(first, 1), first.stderr[-3000:]
+        [ckpt_dir] = (crashed / "checkpoints").iterdir()
+        assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000001", "frontier"]  # + the policy after batch 0
+        saved = {p.name for p in (ckpt_dir / "batch-000001").iterdir()}
+        assert {
+            "model.safetensors",
+            "optimizer.bin",
+            "scheduler.bin",
+            "random_states_0.pkl",
+            "rank_state_0.json",
+            "metric_rows.json",
+            "trainer_state.json",
+        } <= saved
     # killed writing the checkpoint after 3 batches
     second = run_stage(crashed, trainer, crash="checkpoint_write:3", extra=extra)
     assert killed(second, 1), second.stderr[-3000:]
-    assert "resumed from" in second.stdout + second.stderr
+    assert ("resumed from" in second.stdout + second.stderr) == (not extra)
+    [ckpt_dir] = (crashed / "checkpoints").iterdir()
     [torn] = ckpt_dir.glob(".tmp-batch-000003-*")  # named with the pid of the run writing it
     assert torn.is_dir() and not (torn / "trainer_state.json").exists()
     if trainer == "online_dpo_vllm":  # the weights of the batch the engine was sampling ahead are kept

