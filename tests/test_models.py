@@ -226,3 +226,7 @@ def test_smollm2_is_converted_once_into_the_cache_and_loads_as_converted(tmp_pat
         )
     loading.load_smollm2()
     assert len(conversions) == 1  # loaded from the cache
+    weights = loading.smollm2_folder() / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # damaged since (a full disk, a copy cut short)
+    with pytest.raises(ValueError, match=r"model.safetensors.* delete .*smollm2/SmolLM2.* to convert it again"):
+        loading.load_smollm2()

@@ -128,7 +128,12 @@ def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The packaged SmolLM2-135M-Instruct (Q4_1 GGUF de-quantised to a float32 Llama, 134.5M params) + tokenizer,
     loaded from its converted checkpoint (smollm2_folder). Its tokenizer's pad token is its EOS (<|im_end|>)."""
     folder = smollm2_folder()
-    return load_causal_lm(folder), load_tokenizer(folder)
+    try:
+        return load_causal_lm(folder), load_tokenizer(folder)
+    except (OSError, ValueError) as e:  # a damaged cache: a file deleted or cut short since the conversion
+        raise type(e)(
+            f"{e}; this is the packaged SmolLM2 as converted into the cache: delete {folder} to convert it again"
+        ) from e
 
 
 def smollm2_folder() -> Path:
