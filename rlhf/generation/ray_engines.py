@@ -215,7 +215,8 @@ class RayEngines:
         actor = ray.remote(max_restarts=0, max_task_retries=0, **resources)(EngineActor)
         # On the local node each engine gets a core of its own from the last one down, as the engine process does.
         pin = local and device == "cpu" and len(cores) > 1
-        self.actors = [actor.remote(cores[-1 - e % len(cores)] if pin else None) for e in range(num_engines)]
+        engine_cores = [cores[-1 - e % len(cores)] if pin else None for e in range(num_engines)]
+        self.actors = [actor.remote(core) for core in engine_cores]
         # each actor's name in errors: its Ray id until it is built, then its node and pid
         self.where = [f"actor {e} (id {a._actor_id.hex()[:12]})" for e, a in enumerate(self.actors)]
         self._calls: deque = deque()  # (kind, key, engine index, ObjectRef), oldest first
@@ -224,7 +225,7 @@ class RayEngines:
         self._failed: RuntimeError | None = None
         self._cores_key = object()
         if pin:  # the trainer keeps the cores no engine took (all when they took every one); given back at close
-            keep_off_cores(self._cores_key, {cores[-1 - e % len(cores)] for e in range(num_engines)})
+            keep_off_cores(self._cores_key, set(engine_cores))
 
     @property
     def pid(self) -> None:

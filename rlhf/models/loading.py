@@ -9,8 +9,6 @@ A bad folder raises an error that names the folder or file.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -140,23 +138,10 @@ def smollm2_folder() -> Path:
     """The packaged SmolLM2 as a float32 safetensors checkpoint + tokenizer (538 MB), converted from the GGUF once and
     kept in the project's cache: reading the GGUF takes ~1 min on one core here (its metadata is parsed three
     times, its tensor names mapped one by one), loading the folder ~2 s. Keyed by the GGUF file (size, mtime) and
-    the transformers version whose GGUF reader converted it. Written under a temporary name and renamed: a
-    process that finds another's conversion there first keeps that one."""
+    the transformers version whose GGUF reader converted it. Written atomically (save_pretrained)."""
     folder = _smollm2_cache_folder()
-    if (folder / "config.json").is_file():
-        return folder
-    model, tokenizer = convert_smollm2()
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.rename(tmp, folder)
-    except OSError:
-        if not (folder / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not (folder / "config.json").is_file():
+        save_pretrained(*convert_smollm2(), folder)
     return folder
 
 
