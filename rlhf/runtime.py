@@ -110,6 +110,24 @@ def device():
     return PartialState().device
 
 
+def visible_gpus(gpus: list[int], parent: str | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES for a child process that must see exactly `gpus` of this process's GPUs, numbered as this
+    process numbers them (cuda:i is the i-th entry of its own CUDA_VISIBLE_DEVICES), in that order. A bare index
+    would land the child on another physical GPU whenever this process's list is not 0,1,2,... (e.g. a training GPU).
+    parent: this process's CUDA_VISIBLE_DEVICES (default: read it; unset = every GPU, in order). Every process this
+    project starts on a GPU of its choosing takes its list from here."""
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES") if parent is None else parent
+    if parent is None:
+        return ",".join(str(g) for g in gpus)
+    ids = [i.strip() for i in parent.split(",") if i.strip()]
+    for g in gpus:
+        if not 0 <= g < len(ids):
+            raise ValueError(
+                f"cuda:{g}: this process sees {len(ids)} GPU(s) (CUDA_VISIBLE_DEVICES={parent!r}), so it has no GPU {g}"
+            )
+    return ",".join(ids[g] for g in gpus)
+
+
 # Cores this process keeps off while an engine of its runs there (engine key -> cores), and the cores it had before
 # the first of them started.
 _engine_cores: dict[object, set[int]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -21,6 +22,7 @@ import torch
 
 from rlhf.generation.base import ReferenceSpec
 from rlhf.generation.vllm import VLLMEngine, import_engine_code
+from rlhf.runtime import visible_gpus
 
 POLL_SECONDS = 0.5  # how often a waiting side checks that the other one is still alive
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -42,6 +44,27 @@ class EngineSpec:
     gpu_memory_utilization: float | None = None  # vLLM's share of that GPU
 
 
+MIN_KV_CACHE_BYTES = 2**30  # the least KV cache an engine is started with: below it, it samples a few rows at a time
+
+
+def engine_memory_share(gpu_bytes: int, share: float, held_bytes: int, weight_bytes: int) -> float:
+    """vLLM's gpu_memory_utilization for an engine given `share` of a GPU of `gpu_bytes`, whose process already holds
+    `held_bytes` there (its scorer: the reward model and the reference, loaded first) and whose policy's weights
+    take `weight_bytes` in the engine's precision. vLLM counts its share from the whole GPU and, at start, wants that
+    much free: what the process holds must come out of the share, or the start fails or eats another's memory.
+    Raises ValueError naming the setting when what is left cannot hold the weights and a minimal KV cache."""
+    left = share * gpu_bytes - held_bytes
+    if left < weight_bytes + MIN_KV_CACHE_BYTES:
+        gib = 2**30
+        raise ValueError(
+            f"train.engine_gpu_memory_utilization: {share:g} of the engine's {gpu_bytes / gib:.1f} GiB GPU, less the "
+            f"{held_bytes / gib:.1f} GiB its scorer holds, leaves {left / gib:.1f} GiB: not enough for the policy's "
+            f"{weight_bytes / gib:.1f} GiB of weights and a {MIN_KV_CACHE_BYTES / gib:.0f} GiB KV cache (raise the "
+            "share, or score on the learner: train.score_in_engine=never)"
+        )
+    return left / gpu_bytes
+
+
 def engine_process_main(device: str, inbox, results, stop) -> None:
     """Entry point of the engine process: import vLLM and the scorer's code, wait for ("build", EngineSpec), build
     the VLLMEngine (and the scorer), then serve until stopped. The imports (~7 s of the ~11 s start-up on these
@@ -51,13 +74,7 @@ def engine_process_main(device: str, inbox, results, stop) -> None:
     Errors are sent back as ("error", traceback) before the process exits with code 1.
     """
     _die_with_parent()
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) > 1:
-        os.sched_setaffinity(0, {cores[-1]})  # its own core; the trainer keeps the others
-    torch.set_num_threads(1)
-    if device.startswith("cuda"):  # before CUDA starts: this process, vLLM included, sees its GPU only
-        os.environ["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
-        device = "cuda:0"  # that GPU, as this process numbers it
+    device = see_only(device)
     outbox = _Sender(results)
     try:
         import_ahead(device)
@@ -84,8 +101,30 @@ def engine_process_main(device: str, inbox, results, stop) -> None:
     os._exit(0)
 
 
+def see_only(device: str) -> str:
+    """Set this (new) process up for its engine on `device`, as the trainer numbers it; returns the device as this
+    process numbers it. On the CPU: a core of its own (the trainer keeps the others) and one torch thread. On a GPU:
+    before CUDA starts, only that GPU is visible (mapped through the trainer's CUDA_VISIBLE_DEVICES, which this
+    process inherited), and no core pinning: vLLM's scheduler and the sampling loop then run wherever a core is free."""
+    if not device.startswith("cuda"):
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) > 1:
+            os.sched_setaffinity(0, {cores[-1]})
+        torch.set_num_threads(1)
+        return device
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus([int(device.partition(":")[2] or 0)])
+    return "cuda:0"
+
+
 def build(spec: EngineSpec, device: str) -> tuple[VLLMEngine, Scorer | None]:
-    """The engine `spec` describes, on `device` as this process numbers it, and its scorer when it scores."""
+    """The engine `spec` describes, on `device` as this process numbers it, and its scorer when it scores. The
+    scorer loads first, and on a GPU its bytes come out of vLLM's share (factory.engine_memory_share)."""
+    scorer = Scorer(spec, torch.device(device)) if spec.reward is not None else None
+    memory = spec.gpu_memory_utilization
+    if memory is not None and device.startswith("cuda"):
+        total = torch.cuda.get_device_properties(device).total_memory
+        weights = folder_parameters(Path(spec.model_folder)) * getattr(torch, spec.dtype).itemsize
+        memory = engine_memory_share(total, memory, scorer.nbytes if scorer is not None else 0, weights)
     engine = VLLMEngine(
         Path(spec.model_folder),
         spec.eos_token_id,
@@ -93,10 +132,21 @@ def build(spec: EngineSpec, device: str) -> tuple[VLLMEngine, Scorer | None]:
         spec.seed,
         spec.max_model_len,
         spec.dtype,
-        spec.gpu_memory_utilization,
+        memory,
         device,
     )
-    return engine, Scorer(spec, torch.device(device)) if spec.reward is not None else None
+    return engine, scorer
+
+
+def folder_parameters(folder: Path) -> int:
+    """How many parameters the safetensors files of a model folder hold, read from their headers."""
+    from safetensors import safe_open
+
+    count = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return count
 
 
 def import_ahead(device: str = "cpu") -> None:
@@ -149,12 +199,17 @@ class Scorer:
         """device: the engine's, where the reward model (and the reference) run beside vLLM."""
         from rlhf.models.loading import load_causal_lm, load_tokenizer
 
-        self.reward_fn = spec.reward.build().placed(lambda m: m.to(device), device)
+        # In the training precision, as the learner places its frozen models (rlhf.trainers.setup._place_frozen)
+        dtype = torch.bfloat16 if spec.reference is not None and spec.reference.autocast_bf16 else None
+        self.reward_fn = spec.reward.build().placed(lambda m: m.to(device, dtype=dtype), device)
         self.tokenizer = load_tokenizer(Path(spec.model_folder)) if self.reward_fn.needs_texts else None
         self.pad, self.eos, self.device = spec.pad_token_id, spec.eos_token_id, device
         self.reference = spec.reference
+        models = [getattr(self.reward_fn, "model", None)]
         if spec.reference is not None:
-            self.ref_model = load_causal_lm(Path(spec.model_folder)).requires_grad_(False).to(device).eval()
+            self.ref_model = load_causal_lm(Path(spec.model_folder)).requires_grad_(False).to(device, dtype=dtype)
+            models.append(self.ref_model.eval())
+        self.nbytes = sum(t.nbytes for m in models if m is not None for t in (*m.parameters(), *m.buffers()))
 
     def __call__(self, prompts: list[list[int]], responses: torch.Tensor, params, parts: list[int]):
         """(scores (N,), reference log-probs (N, T) or None) of a sampled batch, as numpy arrays to send. The

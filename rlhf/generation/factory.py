@@ -17,12 +17,15 @@ class Placement:
     """Where a vLLM engine runs. device: "cpu" or "cuda:<i>"; own_process: in a process of its own (vllm_async,
     or colocated beside several training processes, or on another device than training); gpu_memory_utilization:
     vLLM's share of the GPU (None on CPU); ray_gpus: Ray engines on GPUs, the GPUs of this node a local Ray cluster
-    may give them (those after the training ranks'; rank 0's when there is none other)."""
+    may give them (those after the training ranks'; rank 0's when there is none other); shares_gpu: on a GPU a
+    training process uses too, so it is built after the learner placed its models (vLLM sizes its KV cache from the
+    memory it finds free at start: built earlier, its budget would depend on how far the learner had got)."""
 
     device: str
     own_process: bool
     gpu_memory_utilization: float | None
     ray_gpus: tuple[int, ...] | None = None
+    shares_gpu: bool = False
 
 
 def placement(
@@ -38,7 +41,7 @@ def placement(
             return Placement("cpu", True, None)
         spare = tuple(range(world, torch.cuda.device_count())) or (0,)  # the training ranks hold cuda:0 .. W-1
         shared = spare == (0,) and world > 0 and learner != "cpu"
-        return Placement("cuda:0", True, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY), spare)
+        return Placement("cuda:0", True, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY), spare, shared)
     if setting == "auto" and name == "vllm_async" and torch.cuda.device_count() > world:
         device = f"cuda:{world}"  # the paper's layout: W training GPUs and the next one for generation
     elif setting == "auto":
@@ -49,7 +52,7 @@ def placement(
     if device == "cpu":
         return Placement(device, own_process, None)
     shared = int(device.split(":")[1]) < world  # the training ranks hold cuda:0 .. cuda:W-1
-    return Placement(device, own_process, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY))
+    return Placement(device, own_process, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY), None, shared)
 
 
 def lookahead(name: str, max_staleness: int) -> int:

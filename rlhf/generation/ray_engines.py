@@ -37,7 +37,7 @@ import psutil
 import torch
 
 from rlhf.generation.weights import SharedWeights
-from rlhf.runtime import CACHE, OFFLINE_ENV, give_back_cores, keep_off_cores
+from rlhf.runtime import CACHE, OFFLINE_ENV, give_back_cores, keep_off_cores, visible_gpus
 
 # On a slow or loaded machine the raylet gives up on its dashboard agent after a fixed 15 s and the node fails to
 # start ("The current node timed out during startup", ray-project/ray#65983): the agent's start varies with the load.
@@ -69,8 +69,7 @@ def start_cluster(gpus: tuple[int, ...] | None = None) -> bool:
     # process keeps its own view: CUDA reads the variable once, when it starts, and the trainer's comes later.
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if gpus is not None:
-        ids = visible.split(",") if visible else [str(g) for g in range(max(gpus) + 1)]
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[g] for g in gpus)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus(list(gpus))
     try:
         _init_local_node(
             num_cpus=os.cpu_count(),

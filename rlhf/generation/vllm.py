@@ -209,7 +209,9 @@ class VLLMEngine:
                 load_format="safetensors",  # never unpickle a .bin
                 dtype=dtype,  # float32 = the learner's precision, so engine log-probs match its own
                 max_model_len=max_model_len,
-                enforce_eager=True,  # torch.compile: ~30 s more start for nothing at these sizes (platform.md)
+                # CPU: torch.compile costs ~30 s more start for nothing at these sizes (platform.md); a GPU gets
+                # vLLM's compiled model and CUDA graphs, which decoding small batches depends on
+                enforce_eager=self.device.type == "cpu",
                 seed=seed,
                 logprobs_mode="processed_logprobs",
                 skip_tokenizer_init=True,

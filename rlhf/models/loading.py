@@ -215,6 +215,8 @@ def save_policy(policy: nn.Module, weights: dict[str, torch.Tensor], tokenizer, 
     """The trained policy into `folder` as a plain transformers model that vLLM loads too: `weights` are its full
     weights (rlhf.generation.weights.full_weights: merged for a LoRA policy, whose adapter goes to folder/adapter)."""
     base = policy.get_base_model() if lora.is_lora(policy) else policy
+    # one dtype, the model's (merged LoRA weights come in float32: lora.merged_state_dict)
+    weights = {name: t.to(base.dtype) for name, t in weights.items()}
     base.save_pretrained(folder, state_dict=weights, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     if lora.is_lora(policy):

@@ -58,23 +58,33 @@ class AdaptersOff:
 
 def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """{base model name: tensor}: what the model computes with its adapters, as plain weights W + scale * B @ A.
+    The adapted weights are formed and kept in float32 (W may be bf16: DeepSpeed's bf16 weights): the engine rounds
+    them once, to its own precision, when it loads them. Added in bf16, an update below bf16's step next to W would
+    vanish from the engine's weights while the learner, which adds B @ A x on its own, keeps it.
 
     Reads the weights as they are: under ZeRO-3 call it inside a gather (rlhf.generation.weights)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    deltas = {
-        f"{name}.weight": module.get_delta_weight(ADAPTER)
-        for name, module in base.named_modules()
-        if isinstance(module, LoraLayer)
-    }
+    deltas = {f"{name}.weight": _delta(m) for name, m in base.named_modules() if isinstance(m, LoraLayer)}
     merged = {}
     for name, tensor in base.state_dict().items():
         if ".lora_" in name:
             continue
         name = name.replace(".base_layer.", ".")
-        merged[name] = tensor + deltas[name].to(tensor.dtype) if name in deltas else tensor
+        merged[name] = tensor.float() + deltas[name] if name in deltas else tensor
     return merged
+
+
+def _delta(module) -> torch.Tensor:
+    """scale * B @ A of a LoRA layer, in float32 (PEFT's get_delta_weight returns it in the adapters' dtype)."""
+    from peft.tuners.lora import Linear
+    from peft.utils.other import transpose
+
+    if isinstance(module, Linear) and not module.use_dora.get(ADAPTER, False):
+        a, b = module.lora_A[ADAPTER].weight.float(), module.lora_B[ADAPTER].weight.float()
+        return transpose(b @ a, module.fan_in_fan_out) * module.scaling[ADAPTER]
+    return module.get_delta_weight(ADAPTER).float()
 
 
 def trainable_names(model: nn.Module) -> set[str]:

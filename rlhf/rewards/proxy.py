@@ -24,16 +24,17 @@ class ProxyReward:
 
     needs_texts = False  # reads token ids only: the async engine's process skips decoding for it
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | None = None, chunk: int = 64):
-        """device: where `model` lives (default: where its parameters are)."""
+    def __init__(self, model: torch.nn.Module, device: torch.device | None = None, chunk: int = 64, bf16=False):
+        """device: where `model` lives (default: where its parameters are); bf16: the run trains in bf16 mixed
+        precision, and the reward model computes as the policy does, under bf16 autocast."""
         self.model = model
         model.eval()  # (a DeepSpeed engine's eval() returns None)
         self.device = device if device is not None else next(model.parameters()).device
-        self.chunk = chunk
+        self.chunk, self.bf16 = chunk, bf16
 
     def placed(self, place, device: torch.device) -> ProxyReward:
         """The same reward with its model put on the training device by `place` (a move, or a DeepSpeed wrap)."""
-        return ProxyReward(place(self.model), device, self.chunk)
+        return ProxyReward(place(self.model), device, self.chunk, self.bf16)
 
     @torch.no_grad()
     def __call__(self, batch: ModelInput, texts: list[str]) -> torch.Tensor:
@@ -41,7 +42,9 @@ class ProxyReward:
         last = batch.response_mask.sum(1).clamp(min=1) - 1
         s, a, p = batch.sequences, batch.attn, batch.positions
         chunks = [slice(i, i + self.chunk) for i in range(0, len(s), self.chunk)]
-        return torch.cat([sequence_scores(self.model, s[c], a[c], p[c], batch.context, last[c]) for c in chunks])
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            scores = [sequence_scores(self.model, s[c], a[c], p[c], batch.context, last[c]) for c in chunks]
+        return torch.cat(scores)
 
 
 class GoldReward:
@@ -98,6 +101,7 @@ class RewardSpec:
     tokenizer_folder: str | None = None
     chat_template: str = "none"
     format_bonus: float = 0.0
+    bf16: bool = False  # the proxy RM computes under bf16 autocast (train.mixed_precision: bf16)
 
     @classmethod
     def of(cls, config, format_bonus: float | None = None) -> RewardSpec:
@@ -106,7 +110,8 @@ class RewardSpec:
         if c.reward == "rule":
             bonus = c.format_bonus if format_bonus is None else format_bonus
             return cls("rule", str(config.path("prepared")), str(config.path("sft")), config.data.chat_template, bonus)
-        return cls(c.reward, str(config.path("gold") if c.reward == "gold" else config.path("reward", "model")))
+        folder = config.path("gold") if c.reward == "gold" else config.path("reward", "model")
+        return cls(c.reward, str(folder), bf16=c.mixed_precision == "bf16")
 
     def build(self):
         if self.kind == "rule":
@@ -117,7 +122,7 @@ class RewardSpec:
             return GoldReward(GoldJudge.load(Path(self.folder)))
         from rlhf.models.loading import load_reward_model
 
-        return ProxyReward(load_reward_model(Path(self.folder)).requires_grad_(False))
+        return ProxyReward(load_reward_model(Path(self.folder)).requires_grad_(False), bf16=self.bf16)
 
     def _answers(self) -> dict[tuple[int, ...], str]:
         """Every problem's prompt as token ids -> its answer, over the splits the loop and evaluation sample."""

@@ -124,7 +124,7 @@ def setup(cfg: Config, engine_process=None) -> Run:
         ref = ref if ref is None or isinstance(ref, AdaptersOff) else _place_frozen(ref, acc)
         reward_fn = reward_fn.placed(lambda m: _place_frozen(m, acc), acc.device) if reward_fn is not None else None
         policy = unwrap_policy(acc.unwrap_model(model))
-        engine = _setup_engine(cfg, engine_name, early, policy, tokenizer, prompts, reward, acc)
+        engine = _setup_engine(cfg, engine_name, early, policy, tokenizer, prompts, reward, acc, engine_process)
     except BaseException:
         if early is not None:
             early.close()
@@ -174,20 +174,17 @@ def _setup_models(cfg: Config, needs_values: bool, needs_reference: bool):
 def _place_frozen(model: nn.Module, acc: Accelerator) -> nn.Module:
     """A model that is never trained (the reference, the proxy RM) on the training device, as the original's
     prepare_deepspeed placed it: under ZeRO-3 a DeepSpeed inference engine sharded like the policy (gathered layer
-    by layer in forward); under ZeRO-0/1/2 a full replica, in bf16 when training in bf16; otherwise moved as is
-    (it runs under the policy's autocast)."""
+    by layer in forward); otherwise a full replica, in bf16 when training in bf16 (the engine process's scorer
+    loads them the same way: the same numbers on either side), run under the policy's autocast."""
     plugin = acc.state.deepspeed_plugin
-    if plugin is None:
-        return model.to(acc.device)
-    if plugin.zero_stage == 3:
-        import deepspeed
+    if plugin is None or plugin.zero_stage != 3:
+        return model.to(acc.device, dtype=torch.bfloat16 if acc.mixed_precision == "bf16" else None)
+    import deepspeed
 
-        config = {k: v for k, v in plugin.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
-        engine, *_ = deepspeed.initialize(model=model, config=config)
-        engine.eval()  # DeepSpeedEngine.eval returns None
-        return engine
-    dtype = torch.bfloat16 if acc.mixed_precision == "bf16" else None
-    return model.to(acc.device, dtype=dtype)
+    config = {k: v for k, v in plugin.deepspeed_config.items() if k not in ("optimizer", "scheduler")}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()  # DeepSpeedEngine.eval returns None
+    return engine
 
 
 def _scoring_side(c: TrainConfig, engine_name: str) -> str:
@@ -223,17 +220,21 @@ def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
 
 def _start_engine_early(cfg: Config, tokenizer, prompts, reward: RewardSpec, process) -> Engine | None:
     """On rank 0, an engine that runs in its own process starts building now (in `process` if the stage started
-    one, rlhf.trainers.early); None otherwise."""
+    one, rlhf.trainers.early); None otherwise, and for an engine on a GPU the learner uses too: that one is built
+    once the learner's models are on the GPU (`_setup_engine`), so vLLM sizes its cache from what they leave."""
     found = own_process_engine(cfg)
-    if found is None:
+    if found is None or found[1].shares_gpu:
         return None
     name, where, device = found
     return _make_engine(cfg, name, None, tokenizer, prompts, reward, device, where, process)
 
 
-def _setup_engine(cfg: Config, name: str, early, policy, tokenizer, prompts, reward: RewardSpec, acc) -> Engine:
+def _setup_engine(
+    cfg: Config, name: str, early, policy, tokenizer, prompts, reward: RewardSpec, acc, process=None
+) -> Engine:
     """The run's engine on every rank: with several training processes one engine on rank 0, shared
-    (rlhf.generation.shared); the HF engine samples from each rank's own model."""
+    (rlhf.generation.shared); the HF engine samples from each rank's own model. `early`: the engine that started
+    building first (`_start_engine_early`), else it is built now, in `process` when the stage started one."""
     c, world = cfg.train, acc.num_processes
     if name == "hf" or world == 1:
         where = (
@@ -241,8 +242,10 @@ def _setup_engine(cfg: Config, name: str, early, policy, tokenizer, prompts, rew
             if name == "hf"
             else placement(name, c.engine_device, c.engine_gpu_memory_utilization, 1, acc.device, c.engine_backend)
         )
-        return early or _make_engine(cfg, name, policy, tokenizer, prompts, reward, acc.device, where)
+        return early or _make_engine(cfg, name, policy, tokenizer, prompts, reward, acc.device, where, process)
     engine = early if acc.process_index == 0 else None
+    if engine is None and (found := own_process_engine(cfg)) is not None:  # rank 0's engine on a shared GPU
+        engine = _make_engine(cfg, name, None, tokenizer, prompts, reward, found[2], found[1], process)
     return SharedEngine(engine, acc.process_index, world, lookahead=lookahead(name, c.max_staleness))
 
 
