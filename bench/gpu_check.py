@@ -86,7 +86,7 @@ def run_check(check: Check, out: Path, env: dict, log) -> dict:
         error = f"timeout after {check.timeout:.0f} s"
     seconds = time.perf_counter() - start
     child = json.loads(result_file.read_text()) if result_file.exists() else {}
-    error = error or child.get("error")
+    error = (child.get("error") or error) if error else None  # the child's own line says more than its exit code
     return {"name": check.name, "ok": error is None, "seconds": round(seconds, 2), **child, "error": error}
 
 
@@ -95,7 +95,7 @@ def line(r: dict) -> str:
     peak = r.get("peak_gib")
     memory = f"peak {peak:7.2f} GiB ({r.get('peak_kind', '?')})" if peak is not None else "peak       ?"
     tail = r["error"] if r["error"] else "  ".join(f"{k}={_fmt(v)}" for k, v in r.get("figures", {}).items())
-    return f"{'ok  ' if r['ok'] else 'FAIL'}  {r['name']:<30} {r['seconds']:6.1f} s  {memory}  {tail}"
+    return f"{'ok  ' if r['ok'] else 'FAIL'}  {r['name']:<32} {r['seconds']:6.1f} s  {memory}  {tail}"
 
 
 def _fmt(v) -> str:
@@ -223,7 +223,7 @@ def stage(device, cli: list[str]) -> dict:
 
 def stage_figures(data: Path, name: str) -> dict:
     """A stage's key figures: the train stage's mean timing/step, timing/weight_sync and eps and its last
-    objective/scores (plots/train.csv); other stages' first four numbers of metrics/<stage>.json."""
+    objective/scores (plots/train.csv); other stages' first four numbers of their metrics/<stage>.json, if any."""
     if name == "train":
         import csv
 
@@ -231,7 +231,10 @@ def stage_figures(data: Path, name: str) -> dict:
         mean = lambda k: sum(float(r[k]) for r in rows) / len(rows)  # noqa: E731
         keys = ("timing/step", "timing/weight_sync", "eps")
         return {**{k: round(mean(k), 4) for k in keys if k in rows[0]}, "scores": float(rows[-1]["objective/scores"])}
-    metrics = json.loads((data / "metrics" / f"{name}.json").read_text())
+    path = data / "metrics" / f"{'eval' if name == 'evaluate' else name}.json"
+    if not path.exists():  # generate writes generations, no metrics
+        return {}
+    metrics = json.loads(path.read_text())
     numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
     return dict(list(numbers.items())[:4])
 
