@@ -40,7 +40,7 @@ UV_INSTALL = $(UV) pip install $(UV_ARGS) $(foreach d,$(FIND_LINKS),--find-links
 # imports a few thousand): recipes run without a PYTHONDONTWRITEBYTECODE the shell may set.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup run plots test lint gpu-smoke serve deploy worker chromium clean-venv
+.PHONY: setup run plots test lint gpu-smoke gpu-check gpu-wheels serve deploy worker chromium clean-venv
 
 setup: $(STAMP) $(PLOTS_PAGE)
 
@@ -78,6 +78,17 @@ lint: $(STAMP)
 # On a machine with CUDA GPUs: every GPU path on the `ci` profile, one line per check (docs/gpu.md).
 gpu-smoke: $(STAMP)
 	$(ENV) python tests/gpu_smoke.py
+
+# On one CUDA GPU: the ci stages, three trainers in bf16+ckpt+LoRA, a ~1B Llama's step and weight sync (< 8 min).
+gpu-check: $(STAMP)
+	$(ENV) python bench/gpu_check.py
+
+# The wheels a bare GPU image (python 3.12) lacks for `gpu-check`, into .whl/ (bench/gpu_wheels.txt; < 20 MB).
+gpu-wheels:
+	rm -rf .whl && grep -v '^#' bench/gpu_wheels.txt | xargs $(PYTHON) -m pip download -q --no-deps \
+		--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl
+	@du -sh .whl
 
 chromium:
 	@command -v chromium >/dev/null 2>&1 || { echo "installing chromium (apt) for the Prefect UI test..."; \

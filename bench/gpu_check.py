@@ -1,0 +1,344 @@
+"""`make gpu-check`: what one lent H100 can tell us in under 8 minutes, each check in a process of its own.
+
+Checks, in order (later ones use what earlier ones wrote):
+  a. the `ci` stages end to end on CUDA with the HF engine (prepare, gold, sft, reward, train, generate, evaluate);
+  b. PPO, RLOO and online DPO (HF engine) with bf16 mixed precision, gradient checkpointing and LoRA together;
+  c. a random-initialised ~1B Llama (hidden 2048, 16 layers, 32 heads, vocab 32000): bf16-autocast AdamW steps
+     (fp32 master weights) at 8 x 512 tokens, without and with gradient checkpointing; and one host-memory weight
+     sync of its state dict (GPU -> the project's SharedWeights -> GPU) against a device-to-device copy.
+One line per check: ok/FAIL, seconds, the peak memory of its process (torch.cuda.max_memory_allocated; on the CPU
+the peak RSS), key figures. The full log (gpu_check.log) and the figures (gpu_check.json) go to --out.
+`--cpu-dry-run` runs the same logic on the CPU at tiny sizes (tests/test_gpu_scripts.py runs part of it).
+
+It runs on the lent machine's own python3 (torch 2.11, transformers 5.17; no venv, no `rlhf` console script):
+children are `python3 bench/gpu_check.py --child ...`, stages run through rlhf.cli.main in that child. The
+wheels its image lacks travel in .whl/ (`make gpu-wheels`, bench/gpu_wheels.txt). The device `run` call:
+
+  command: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
+           .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 &&
+           timeout 560 python3 bench/gpu_check.py --out $OUT
+  carry: [".whl"]    timeout_s: 600
+
+Here: `make gpu-check` (a CUDA box with the venv), or `.venv/bin/python bench/gpu_check.py --cpu-dry-run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("prepare", "gold", "sft", "reward", "train", "generate", "evaluate")
+TRAINERS = ("ppo", "rloo", "online_dpo")
+# b.: every memory-saving path at once, as a GPU user of a larger model would run it
+TRAINER_SETTINGS = ("train.mixed_precision=bf16", "train.gradient_checkpointing=true", "train.lora.rank=4")
+# c.: ~1.0B parameters (TinyLlama's shape with a 32k vocabulary) / a 2-layer 64-wide one for the dry run
+LLAMA_1B = dict(hidden=2048, layers=16, heads=32, vocab=32000, intermediate=5632, batch=8, seq=512, steps=8)
+LLAMA_TINY = dict(hidden=64, layers=2, heads=2, vocab=512, intermediate=128, batch=2, seq=32, steps=2)
+
+
+@dataclass
+class Check:
+    name: str
+    func: str  # a key of CHILDREN, run in a child process
+    args: dict = field(default_factory=dict)
+    timeout: float = 120.0  # seconds; past it the check FAILs with "timeout"
+
+
+def plan(data: Path, dry_run: bool) -> list[Check]:
+    """The checks in order; `data` is the ci data_dir they share."""
+    common = [f"data_dir={data}", "tracking.wandb_mode=disabled"]
+    out = [Check(f"stage {s}", "stage", {"cli": [s, *common]}, 150.0) for s in STAGES]
+    for trainer in TRAINERS:
+        cli = ["train", "--trainer", trainer, *TRAINER_SETTINGS, *common]
+        out.append(Check(f"train {trainer} bf16+ckpt+lora", "stage", {"cli": cli}, 150.0))
+    shape = LLAMA_TINY if dry_run else LLAMA_1B
+    out.append(Check("llama-1b step", "llama_step", {**shape, "ckpt": False}, 150.0))
+    out.append(Check("llama-1b step grad-ckpt", "llama_step", {**shape, "ckpt": True}, 150.0))
+    out.append(Check("llama-1b weight sync", "weight_sync", {**shape, "repeats": 3}, 150.0))
+    return out
+
+
+# --- the parent: runs each check in a child, prints its line, keeps the log and the figures ---------------------
+
+
+def run_check(check: Check, out: Path, env: dict, log) -> dict:
+    """Run one check in a child process; its result (ok, seconds, peak memory, figures, error)."""
+    result_file = out / "child_result.json"
+    result_file.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", check.func, "--result", str(result_file)]
+    cmd += ["--args", json.dumps(check.args)]
+    log.write(f"\n===== {check.name}: {' '.join(cmd)}\n")
+    log.flush()
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=check.timeout)
+        error = None if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        error = f"timeout after {check.timeout:.0f} s"
+    seconds = time.perf_counter() - start
+    child = json.loads(result_file.read_text()) if result_file.exists() else {}
+    error = (child.get("error") or error) if error else None  # the child's own line says more than its exit code
+    return {"name": check.name, "ok": error is None, "seconds": round(seconds, 2), **child, "error": error}
+
+
+def line(r: dict) -> str:
+    """The check's line: ok/FAIL, name, seconds, peak memory, figures (or the error)."""
+    peak = r.get("peak_gib")
+    memory = f"peak {peak:7.2f} GiB ({r.get('peak_kind', '?')})" if peak is not None else "peak       ?"
+    tail = r["error"] if r["error"] else "  ".join(f"{k}={_fmt(v)}" for k, v in r.get("figures", {}).items())
+    return f"{'ok  ' if r['ok'] else 'FAIL'}  {r['name']:<32} {r['seconds']:6.1f} s  {memory}  {tail}"
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def child_env(work: Path, dry_run: bool) -> dict:
+    """The children's environment: the project's offline settings, caches in the scratch folder, more torch threads
+    on a GPU box (its 16 cores are ours alone)."""
+    env = {**os.environ, "RLHF_CACHE_DIR": str(work / "cache"), "PYTHONUNBUFFERED": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, even on a box with a GPU
+    else:
+        env.setdefault("RLHF_TORCH_THREADS", "4")
+    return env
+
+
+def environment(dry_run: bool) -> dict:
+    """Device and library versions, for the first line and the JSON."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    names = ("torch", "transformers", "accelerate", "peft", "datasets", "pyarrow", "pandas", "pydantic", "pandera")
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = version(name)
+        except PackageNotFoundError:
+            versions[name] = None
+    cuda = torch.cuda.is_available()
+    device = torch.cuda.get_device_name(0) if cuda and not dry_run else "cpu (dry run)"
+    return {"device": device, "cuda": torch.version.cuda, "versions": versions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / ".cache" / "gpu-check"), help="folder for the log and the JSON")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="the same checks on the CPU at tiny sizes")
+    ap.add_argument("--data", help="an existing ci data_dir to use (copied) instead of a fresh one")
+    ap.add_argument("--only", help="comma-separated check names to run (default: all)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--args", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child_main(args.child, Path(args.result), json.loads(args.args))
+    return parent_main(args)
+
+
+def parent_main(args) -> int:
+    env_info = environment(args.cpu_dry_run)
+    if not args.cpu_dry_run and env_info["device"] == "cpu (dry run)":
+        print("gpu-check: no CUDA device here (torch.cuda.is_available() is False); --cpu-dry-run runs it on the CPU")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    data = work / "data"
+    if args.data:
+        shutil.copytree(args.data, data)
+    checks = plan(data, args.cpu_dry_run)
+    if args.only:
+        chosen = {n.strip() for n in args.only.split(",")}
+        if unknown := sorted(chosen - {c.name for c in checks}):
+            print(f"gpu-check: --only: unknown check(s) {unknown}; choose among {[c.name for c in checks]}")
+            return 2
+        checks = [c for c in checks if c.name in chosen]
+    print(f"gpu-check: {env_info['device']}, CUDA {env_info['cuda']}; {env_info['versions']}", flush=True)
+    results = []
+    with (out / "gpu_check.log").open("w") as log:
+        for check in checks:
+            results.append(run_check(check, out, child_env(work, args.cpu_dry_run), log))
+            print(line(results[-1]), flush=True)
+            (out / "gpu_check.json").write_text(json.dumps({**env_info, "checks": results}, indent=1))
+    (out / "child_result.json").unlink(missing_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
+    failed = sum(not r["ok"] for r in results)
+    print(f"gpu-check: {'all checks passed' if not failed else f'{failed} check(s) failed'}")
+    return 1 if failed else 0
+
+
+# --- the children --------------------------------------------------------------------------------------------
+
+
+def child_main(func: str, result: Path, args: dict) -> int:
+    """Run CHILDREN[func](**args) on this process's device; write its figures and peak memory to `result`."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the dry run's children see no GPU
+    try:
+        figures = CHILDREN[func](device=device, **args)
+        error = figures.pop("error", None)  # a check that measured what it could, then found a fault
+    except Exception as e:  # the parent prints one line; the traceback is in the log
+        import traceback
+
+        traceback.print_exc()
+        figures, error = {}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+    result.write_text(json.dumps({"figures": figures, "error": error, **peak_memory(device)}))
+    return 0 if error is None else 1
+
+
+def peak_memory(device) -> dict:
+    """The process's peak memory: CUDA's allocator peak when it ran on a GPU, else the peak resident set."""
+    import resource
+
+    import torch
+
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        return {"peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3), "peak_kind": "cuda"}
+    return {"peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3), "peak_kind": "rss"}
+
+
+def stage(device, cli: list[str]) -> dict:
+    """`rlhf --profile ci <cli>` in this process; figures from the stage's metrics JSON (train: its csv)."""
+    from rlhf.cli import main as rlhf_main
+
+    code = rlhf_main(["--params", str(ROOT / "params.yaml"), "--profile", "ci", *cli])
+    if code != 0:
+        raise RuntimeError(f"rlhf {cli[0]} exited {code} (its error line is in the log)")
+    data = Path(next(a for a in cli if a.startswith("data_dir=")).partition("=")[2])
+    return stage_figures(data, cli[0])
+
+
+def stage_figures(data: Path, name: str) -> dict:
+    """A stage's key figures: the train stage's mean timing/step, timing/weight_sync and eps and its last
+    objective/scores (plots/train.csv); other stages' first four numbers of their metrics/<stage>.json, if any."""
+    if name == "train":
+        import csv
+
+        rows = list(csv.DictReader((data / "plots" / "train.csv").open()))
+        mean = lambda k: sum(float(r[k]) for r in rows) / len(rows)  # noqa: E731
+        keys = ("timing/step", "timing/weight_sync", "eps")
+        return {**{k: round(mean(k), 4) for k in keys if k in rows[0]}, "scores": float(rows[-1]["objective/scores"])}
+    path = data / "metrics" / f"{'eval' if name == 'evaluate' else name}.json"
+    if not path.exists():  # generate writes generations, no metrics
+        return {}
+    metrics = json.loads(path.read_text())
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+    return dict(list(numbers.items())[:4])
+
+
+def _llama(device, hidden, layers, heads, vocab, intermediate, seq, **_):
+    """A random-initialised Llama in float32 (the master weights) on `device`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(cfg)
+
+
+def _timed(fn, device, repeats: int) -> float:
+    """Mean seconds of fn() over `repeats` calls, the device synchronised around them."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / repeats
+
+
+def llama_step(device, ckpt: bool, batch: int, seq: int, steps: int, **shape) -> dict:
+    """AdamW steps of a bf16-autocast forward and backward over batch x seq random tokens (fp32 master weights)."""
+    import torch
+
+    model = _llama(device, seq=seq, **shape)
+    if ckpt:
+        model.gradient_checkpointing_enable()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    ids = torch.randint(shape["vocab"], (batch, seq), device=device)
+    losses = []
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    _timed(step, device, 2)  # warm-up: the allocator, cuBLAS's plans, AdamW's state
+    seconds = _timed(step, device, steps)
+    params = sum(p.numel() for p in model.parameters())
+    flops = 6 * params * batch * seq  # forward + backward, recomputation not counted
+    return {
+        "params_m": round(params / 1e6, 1),
+        "batch_x_seq": f"{batch}x{seq}",
+        "step_s": round(seconds, 4),
+        "tokens_per_s": round(batch * seq / seconds),
+        "tflops": round(flops / seconds / 1e12, 2),
+        "loss": round(float(losses[-1]), 3),
+    }
+
+
+def weight_sync(device, repeats: int, **shape) -> dict:
+    """The async engine's host-memory weight sync of the Llama's state dict (shared_snapshot: GPU -> SharedWeights,
+    then the engine's copy back to a GPU), a pinned-buffer round trip, and a device-to-device copy; GB/s each."""
+    import torch
+
+    from rlhf.generation.weights import shared_snapshot
+
+    model = _llama(device, **shape)
+    state = {n: t.detach() for n, t in model.state_dict().items()}
+    gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
+    engine = {n: torch.empty_like(t) for n, t in state.items()}  # the engine's weights, on the same GPU here
+    figures = {"state_gb": round(gb, 3)}
+    d2d = _timed(lambda: [engine[n].copy_(t) for n, t in state.items()], device, repeats)
+    figures["d2d_gbps"] = round(gb / d2d, 1)
+    if device.type == "cuda":  # page-locked host buffers: what pinning SharedWeights' buffers would give
+        pinned = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for n, t in state.items()}
+        down = _timed(lambda: [pinned[n].copy_(t, non_blocking=True) for n, t in state.items()], device, repeats)
+        up = _timed(lambda: [engine[n].copy_(t, non_blocking=True) for n, t in pinned.items()], device, repeats)
+        figures.update(pinned_d2h_gbps=round(gb / down, 1), pinned_h2d_gbps=round(gb / up, 1))
+    shm_free = shutil.disk_usage("/dev/shm").free / 1e9
+    figures["shm_free_gb"] = round(shm_free, 1)
+    if shm_free < 1.2 * gb:  # SharedWeights lives in /dev/shm: a fuller one ends the process with SIGBUS
+        return {**figures, "error": f"/dev/shm has {shm_free:.1f} GB free, SharedWeights needs {gb:.1f} GB"}
+    spare = shared_snapshot(model)  # allocates the shared buffers once, as the first sync of a run does
+    down = _timed(lambda: shared_snapshot(model, spare), device, repeats)
+    up = _timed(lambda: [engine[n].copy_(t) for n, t in spare.tensors()], device, repeats)
+    figures.update(shared_d2h_gbps=round(gb / down, 1), shared_h2d_gbps=round(gb / up, 1))
+    figures["shared_sync_s"] = round(down + up, 3)
+    figures["d2d_s"] = round(d2d, 4)
+    return figures
+
+
+CHILDREN = {"stage": stage, "llama_step": llama_step, "weight_sync": weight_sync}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The GPU scripts' logic on the CPU: `make gpu-check`'s dry run (bench/gpu_check.py --cpu-dry-run) and
+`make gpu-smoke`'s check list, time limits and GPU-placement check (tests/gpu_smoke.py). The only mock is
+MOCK_NVIDIA_SMI, a stand-in for a GPU's memory report (there is no GPU here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gpu_smoke
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import gpu_check  # noqa: E402
+
+DRY_RUN = ["train ppo bf16+ckpt+lora", "llama-1b step", "llama-1b step grad-ckpt", "llama-1b weight sync"]
+
+
+def test_gpu_check_plans_the_ci_stages_three_trainers_and_the_llama_checks(tmp_path):
+    names = [c.name for c in gpu_check.plan(tmp_path, dry_run=False)]
+    assert names[:7] == [f"stage {s}" for s in gpu_check.STAGES]
+    assert names[7:] == [f"train {t} bf16+ckpt+lora" for t in ("ppo", "rloo", "online_dpo")] + DRY_RUN[1:]
+    big = gpu_check.plan(tmp_path, dry_run=False)[-1].args
+    assert (big["hidden"], big["layers"], big["heads"], big["vocab"]) == (2048, 16, 32, 32000)
+
+
+def test_gpu_check_dry_run_prints_a_line_and_figures_per_check(ci_data, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--data", str(ci_data), "--out", str(out)]
+    proc = subprocess.run([*cmd, "--only", ",".join(DRY_RUN)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(("ok", "FAIL"))]
+    assert [x.split("  ")[0] for x in lines] == ["ok"] * 4 and all(n in proc.stdout for n in DRY_RUN)
+    checks = {c["name"]: c for c in json.loads((out / "gpu_check.json").read_text())["checks"]}
+    assert all(c["ok"] and c["peak_gib"] > 0 and c["peak_kind"] == "rss" for c in checks.values())
+    train = checks["train ppo bf16+ckpt+lora"]["figures"]
+    assert train["timing/step"] > 0 and train["eps"] > 0 and "timing/weight_sync" in train
+    for name in DRY_RUN[1:3]:
+        step = checks[name]["figures"]
+        assert step["tokens_per_s"] > 0 and step["batch_x_seq"] == "2x32" and 0.05 < step["params_m"] < 0.2
+    sync = checks["llama-1b weight sync"]["figures"]
+    assert sync["d2d_gbps"] > 0 and sync["shared_d2h_gbps"] > 0 and sync["shared_h2d_gbps"] > 0
+    assert "train.lora.rank=4" in (out / "gpu_check.log").read_text()
+
+
+def test_gpu_smoke_lists_the_new_checks_each_with_a_time_limit(tmp_path):
+    checks = {c.name: c for c in gpu_smoke.checks(tmp_path, gpus=3, vllm_cuda=True)}
+    assert all(c.timeout > 0 for c in checks.values())
+    assert "engine-vs-learner log-probs after a sync" in checks
+    zero3 = checks["train async zero3 x2 + engine on its own GPU"]
+    assert "configs/zero3.yaml" in " ".join(zero3.cmd) and zero3.gpus == (0, 1, 2)
+    neox = [c for name, c in checks.items() if name.startswith("gpt_neox:")]
+    assert neox and all("model.architecture=gpt_neox" in c.cmd for c in neox)
+    assert checks["train ppo (hf)"].data == tmp_path and checks["math: stage train"].data == tmp_path / "math"
+    assert "engine-vs-learner log-probs after a sync" not in {c.name for c in gpu_smoke.checks(tmp_path, 1, False)}
+
+
+def test_gpu_smoke_checks_see_the_gpus_reversed_and_expect_the_physical_ones():
+    assert gpu_smoke.visible_order(None, 3) == ["2", "1", "0"]
+    assert gpu_smoke.visible_order("4, 5,6", 3) == ["6", "5", "4"]
+    engine_on_cuda1 = gpu_smoke.Check("x", [], gpus=(0, 1))
+    assert gpu_smoke.expected_gpus(engine_on_cuda1, ["6", "5", "4"]) == {"6", "5"}
+
+
+def test_a_gpu_smoke_check_past_its_time_limit_fails_and_its_processes_are_killed(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    spawn = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"
+    code = f"{spawn}; open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    start = time.perf_counter()
+    ok, tail = gpu_smoke.run_check(gpu_smoke.Check("sleeper", [sys.executable, "-c", code], timeout=3), ["0"])
+    assert not ok and tail == "timeout after 3 s" and time.perf_counter() - start < 30
+    grandchild = int(pid_file.read_text())
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+MOCK_NVIDIA_SMI = """#!/bin/sh
+# MOCK: a GPU's memory report (no GPU here): two GPUs, index 0 and 1; a "check" writes the MiB it takes on each
+cat {usage} 2>/dev/null || printf '0, 100\\n1, 100\\n'
+"""
+
+
+@pytest.mark.parametrize("physical, ok", [("1", True), ("0", False)])
+def test_a_gpu_smoke_check_on_another_gpu_than_its_own_fails(tmp_path, monkeypatch, physical, ok):
+    """With the GPUs reversed ("1,0") a one-GPU check belongs on physical GPU 1: taking memory on GPU 0 instead
+    (an engine that ignored its parent's CUDA_VISIBLE_DEVICES) fails it."""
+    usage = tmp_path / "usage"
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(MOCK_NVIDIA_SMI.format(usage=usage))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    rows = {"0": "100", "1": "100", physical: "2100"}
+    code = f"import time; open({str(usage)!r}, 'w').write('0, {rows['0']}\\n1, {rows['1']}\\n'); time.sleep(1.5)"
+    result, tail = gpu_smoke.run_check(gpu_smoke.Check("gpu", [sys.executable, "-c", code]), ["1", "0"])
+    assert result is ok, tail
+    assert f"gpu{physical}+2000MiB" in tail
+    if not ok:
+        assert "wrong GPUs: used ['0'], expected ['1']" in tail
