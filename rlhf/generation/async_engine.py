@@ -31,7 +31,8 @@ handle, not its bytes; the trainer never waits for the engine's reload. A copy's
 version once the engine has loaded a newer one and no checkpoint can need it (it is more than N old). The N
 newest copies before the current version are the weights of the batches still in flight: a checkpoint writes
 them to files (`weights_in_flight`) and a resume puts them back (`load_snapshot`), so a resumed run samples every
-batch with the same version as an uninterrupted one.
+batch with the same version as an uninterrupted one. At most N+2 copies live at once (transfer.shm_copies); before the
+first, /dev/shm must have room for them, or the run stops with one line naming docker's --shm-size / --ipc=host.
 
 With max_staleness 0 this is the colocated engine in its own process (several training processes: rank 0 holds
 it, see rlhf.generation.shared): each batch is sampled after the previous update's weights arrived.
