@@ -31,6 +31,7 @@ from rlhf.config import LoraConfig, ModelConfig
 from rlhf.generation.async_engine import EngineProcess
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.factory import make_engine
+from rlhf.generation.transfer import shm_copies
 from rlhf.generation.vllm import cpu_kv_cache_bytes, request_seed
 from rlhf.models import loading, tiny
 from rlhf.models.batch import pad_right
@@ -170,6 +171,25 @@ def test_colocated_greedy_follows_weight_sync(policy, colocated):
         f"\ncolocated weight sync in memory: gather {stats['timing/weight_snapshot']:.3f} s, reload "
         f"{stats['timing/weight_sync_engine']:.3f} s"
     )
+
+
+def test_colocated_sync_runs_through_vllms_weight_transfer_api(policy, colocated):
+    """The worker holds the transfer engine of our registered backend (vLLM's factory built it from the engine's
+    WeightTransferConfig), a sync is tagged with its version by the API's finish_weight_update, and the weights it
+    carried are the learner's: greedy output and sampled log-probs equal HF's on the changed model."""
+    folder, tok = policy
+    prompts = prompt_ids(tok, ["great acting", "i didn't", "a bad film"])
+    model = loading.load_causal_lm(folder)
+    train_towards(model, tok, prompts, "a bad film , boring plot", steps=15)
+    colocated.load_weights(model, version=7)
+    backend = colocated.llm.collective_rpc(lambda worker: type(worker.weight_transfer_engine).__name__)
+    assert backend == ["LocalWeightTransferEngine"] and colocated.llm.get_weight_version() == "7"
+    colocated.submit(prompts, SamplingParams(k=1, max_new_tokens=8, temperature=0.0))
+    torch.testing.assert_close(colocated.receive().responses, hf_greedy(model, prompts, 8, tok), rtol=0, atol=0)
+    colocated.submit(prompts, SamplingParams(k=2, max_new_tokens=6, temperature=0.7))
+    gen = colocated.receive()
+    expected = hf_logprobs(model, prompts, gen.responses, 2, 0.7, tok.eos_token_id)
+    torch.testing.assert_close(gen.logprobs, expected, rtol=0, atol=2e-4)
 
 
 def test_colocated_logprobs_are_tempered_and_prompt_major(policy, colocated):
@@ -369,6 +389,7 @@ def test_async_loop_protocol_staleness_order_and_snapshots(policy, request, name
                 p.add_(0.2 * torch.randn(p.shape, generator=generator))
         states[t + 1] = copy.deepcopy(model.state_dict())
         engine.load_weights(model, t + 1)
+        assert len(engine._snapshots) + len(engine._spare) <= shm_copies(n)  # what the /dev/shm preflight counts
         # the snapshot is a copy: changing the model right after load_weights cannot reach the engine
         with torch.no_grad():
             for p in model.parameters():

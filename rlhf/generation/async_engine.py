@@ -31,7 +31,8 @@ handle, not its bytes; the trainer never waits for the engine's reload. A copy's
 version once the engine has loaded a newer one and no checkpoint can need it (it is more than N old). The N
 newest copies before the current version are the weights of the batches still in flight: a checkpoint writes
 them to files (`weights_in_flight`) and a resume puts them back (`load_snapshot`), so a resumed run samples every
-batch with the same version as an uninterrupted one.
+batch with the same version as an uninterrupted one. At most N+2 copies live at once (transfer.shm_copies); before the
+first, /dev/shm must have room for them, or the run stops with one line naming docker's --shm-size / --ipc=host.
 
 With max_staleness 0 this is the colocated engine in its own process (several training processes: rank 0 holds
 it, see rlhf.generation.shared): each batch is sampled after the previous update's weights arrived.
@@ -71,7 +72,8 @@ import torch
 
 from rlhf.generation.base import Generated, SamplingParams
 from rlhf.generation.engine_process import POLL_SECONDS, EngineSpec, engine_process_main
-from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapshot, write_snapshot
+from rlhf.generation.transfer import check_shm_room, free_bytes, shm_copies
+from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapshot, weight_bytes, write_snapshot
 from rlhf.runtime import env_int, give_back_cores, keep_off_cores
 
 
@@ -205,6 +207,7 @@ class AsyncEngine:
         self._snapshots: dict[int, SharedWeights] = {}  # version -> weights the engine may still need
         self._spare: list[SharedWeights] = []  # buffers of versions the engine is done with, to reuse
         self._acked = 0  # the newest weight version the engine has loaded
+        self._shm_checked = False
         self._stats: dict[str, float] = {}
         self._snapshot_seconds = 0.0
         self._score = score if spec.reward is not None else "never"
@@ -262,6 +265,7 @@ class AsyncEngine:
         """Copy `model`'s weights into shared memory and queue them; the engine loads them before its next batch."""
         start = time.perf_counter()
         self._recycle(version)
+        self._check_shm(weight_bytes(model))
         self._queue_weights(shared_snapshot(model, self._spare.pop() if self._spare else None), version)
         self._snapshot_seconds = time.perf_counter() - start
 
@@ -276,7 +280,15 @@ class AsyncEngine:
 
     def load_snapshot(self, folder: Path, version: int) -> None:
         """Queue weights a checkpoint wrote (`weights_in_flight`); `folder` stays untouched."""
+        self._check_shm(sum(f.stat().st_size for f in Path(folder).iterdir()))  # the weights' file
         self._queue_weights(read_snapshot(folder), version)
+
+    def _check_shm(self, nbytes: int) -> None:
+        """Before the first copy into shared memory: /dev/shm must hold every copy kept at once (a container's
+        default 64 MB fails at the first sync with SIGBUS and no hint)."""
+        if not self._shm_checked:
+            check_shm_room(nbytes * shm_copies(self.lookahead), free_bytes())
+            self._shm_checked = True
 
     def weights_in_flight(self, version: int) -> dict[int, Path]:
         """Files of versions version-N .. version-1 (>= 1), written now: batches version .. version+N-1 are sampled

@@ -169,7 +169,7 @@ def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop) -> None:
             return
         if msg[0] == "weights":
             _, weights, version = msg
-            reload += engine.reload(weights.tensors(), version)
+            reload += engine.reload(weights, version)
             del msg, weights  # vLLM holds its own copy now: the trainer may reuse the shared buffers
             outbox.send(("ack", version))
         elif msg[0] == "generate":

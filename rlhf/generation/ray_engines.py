@@ -153,7 +153,7 @@ class EngineActor:
 
     def load(self, packed: tuple, version: int) -> int:
         self._busy()
-        self.reload += self.engine.reload(unpack_weights(packed).tensors(), version)
+        self.reload += self.engine.reload(unpack_weights(packed), version)
         self.free_since = time.perf_counter()
         return version
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.generation.base import Engine, Generated, SamplingParams
-from rlhf.generation.weights import gathered_parameters
+from rlhf.generation.weights import weight_stream
 
 
 class SharedEngine:
@@ -56,8 +56,8 @@ class SharedEngine:
         if self.engine is not None:
             self.engine.load_weights(model, version)
         else:
-            with gathered_parameters(model):  # rank 0 gathers the full weights: a collective under ZeRO-3
-                pass
+            with weight_stream(model) as (_, pairs):  # rank 0 gathers the weights: a collective under ZeRO-3
+                deque(pairs, maxlen=0)
 
     def weights_in_flight(self, version: int) -> dict[int, Path]:
         return self.engine.weights_in_flight(version) if self.engine is not None else {}

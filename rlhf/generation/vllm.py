@@ -15,11 +15,11 @@ vLLM choices, and why:
   from a 56-bit hash of (run seed, batch index) and spaced K apart: no two samples of a run share a stream.
   The batch index counts submitted batches from `seek(batch)` (a resume seeks to its first batch), so a
   resumed run draws the same seeds as an uninterrupted one.
-- Weight sync in memory: the worker's `reload_weights(weights_iterator=...)` reads the trainer's tensors
-  (gathered under ZeRO-3) straight from the trainer's model, or from the shared-memory copy the async engine
-  process receives; no file is written (the `model_runner.model.load_weights` trick fails on CPU: the runner
-  repacks linear weights). The prefix cache is reset afterwards, or prompts cached under the old weights would
-  be reused.
+- Weight sync in memory, through vLLM's weight-transfer API (rlhf.generation.transfer): the worker reads the
+  trainer's tensors (under ZeRO-3 gathered one parameter at a time) straight from the trainer's model, or the
+  shared-memory copy the async engine process receives; no file is written (a bare `model.load_weights` fails on
+  CPU: the runner repacks linear weights; the API's layerwise reload does not). The prefix cache is reset
+  afterwards, or prompts cached under the old weights would be reused.
 - vLLM runs inside the process that builds it (VLLM_ENABLE_V1_MULTIPROCESSING=0, "uni" executor): colocated,
   that is the trainer's process, as on a GPU it shares the trainer's device. vLLM's default (an engine-core
   process that imports torch and vLLM again) started 3x slower here (47 s vs 15 s for a `ci` run) for the same
@@ -42,8 +42,9 @@ from pathlib import Path
 
 import torch
 
+from rlhf.generation import transfer
 from rlhf.generation.base import Generated, SamplingParams
-from rlhf.generation.weights import full_weights
+from rlhf.generation.weights import SharedWeights, weight_stream
 from rlhf.models.batch import pad_right
 
 # --- sampling ----------------------------------------------------------------------------------------------
@@ -202,6 +203,7 @@ class VLLMEngine:
             # Whole prompts per step: a prompt prefilled in chunks has its seeded sampler rewound, which CPU
             # generators refuse ("CPU Generator does not use offset"): any batch of > 4096 prompt tokens failed.
             memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
+        transfer.register()  # in every process that builds an engine: vLLM's factory is per process
         start = time.perf_counter()
         with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # read while the engine is built (see the top)
             self.llm = LLM(
@@ -218,8 +220,10 @@ class VLLMEngine:
                 generation_config="vllm",
                 distributed_executor_backend="uni",  # the worker runs inside the engine core, in this process
                 disable_log_stats=True,
+                weight_transfer_config=transfer.transfer_config(transfer.LOCAL),
                 **memory,
             )
+        transfer.init(self.llm)
         self.start_seconds = time.perf_counter() - start
 
     # The Engine protocol
@@ -240,9 +244,9 @@ class VLLMEngine:
     def load_weights(self, model: torch.nn.Module, version: int) -> None:
         """Load `model`'s current weights into vLLM, in memory, and reset the prefix cache."""
         start = time.perf_counter()
-        with full_weights(model) as state:
+        with weight_stream(model) as (_, pairs):  # ZeRO-3: gathered while vLLM reads them, one at a time
             gathered = time.perf_counter()
-            self.reload(((name, t.to(self.device)) for name, t in state.items()), version)
+            self.reload(((name, t.to(self.device)) for name, t in pairs), version)
         self._stats = {
             "timing/weight_snapshot": gathered - start,
             "timing/weight_sync_engine": time.perf_counter() - gathered,
@@ -282,12 +286,13 @@ class VLLMEngine:
         seconds, echoed = time.perf_counter() - start, [list(out.prompt_token_ids) for out in outputs]
         return Generated(responses, self.version, seconds, logprobs, prompts=echoed)
 
-    def reload(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> float:
-        """Copy (name, tensor) pairs into the running engine, tag them `version`; returns the seconds taken."""
+    def reload(self, weights: Iterable[tuple[str, torch.Tensor]] | SharedWeights, version: int) -> float:
+        """Copy (name, tensor) pairs or a SharedWeights into the running engine through vLLM's weight-transfer API,
+        tag them `version`; returns the seconds taken."""
         if self.llm is None:
             raise RuntimeError("VLLMEngine: reload after close()")
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        transfer.sync(self.llm, weights, version)
         self.llm.reset_prefix_cache()
         self.version = version
         return time.perf_counter() - start

@@ -1,7 +1,8 @@
 """Weight snapshots: the trainer's full weights copied out between optimizer steps, for an engine to load.
 
-Weights reach an engine in memory (docs/gpu.md, "Weight sync"):
-- the colocated engine reads the trainer's tensors directly (`full_weights`, gathered under ZeRO-3);
+Weights reach an engine in memory (docs/gpu.md, "Weight sync"; rlhf.generation.transfer: vLLM's weight-transfer API):
+- the colocated engine reads the trainer's tensors directly (`weight_stream`: under ZeRO-3 one parameter gathered
+  at a time, never the whole model at once);
 - the async engine process gets a `SharedWeights` copy: one flat shared-memory buffer per dtype, passed through
   its queue by handle (torch shares the memory, nothing is pickled byte by byte), its buffers reused for the next
   versions once the engine is done with them.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,42 @@ def full_weights(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
         yield {name: t.detach() for name, t in state.items()}
 
 
+Entry = tuple[str, str, tuple[int, ...], int]  # (name, dtype name, shape, element count)
+
+
+def _zero3(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextlib.contextmanager
+def weight_stream(model: torch.nn.Module) -> Iterator[tuple[list[Entry], Iterator[tuple[str, torch.Tensor]]]]:
+    """(entries, pairs): what `full_weights` holds, known before anything is gathered, and its (name, tensor) pairs
+    one at a time. Under ZeRO-3 each parameter is gathered only while it is read (peak extra memory: one parameter
+    and what the consumer keeps of it), a collective: every rank iterates all pairs, in order. A yielded tensor
+    stays valid afterwards (DeepSpeed re-points the parameter to an empty tensor, the gathered storage lives on).
+    A LoRA policy under ZeRO-3 is still gathered whole: merging reads each module's base weight and adapters."""
+    if lora.is_lora(model) or not _zero3(model):
+        with full_weights(model) as state:
+            yield _entries(state), iter(state.items())
+        return
+    state = model.state_dict(keep_vars=True)
+    full = {n: (tuple(getattr(t, "ds_shape", t.shape)), getattr(t, "ds_numel", t.numel())) for n, t in state.items()}
+    yield [(n, _dtype(t), *full[n]) for n, t in state.items()], _gathered_one_by_one(state)
+
+
+def _gathered_one_by_one(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    import deepspeed
+
+    for name, t in state.items():
+        with deepspeed.zero.GatheredParameters([t], enabled=hasattr(t, "ds_id")):
+            yield name, t.detach()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's full parameters (ZeRO-3: their full size, not this rank's shard)."""
+    return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())
+
+
 @dataclass
 class SharedWeights:
     """A model's weights in shared CPU memory, one flat buffer per dtype; picklable to another process without
@@ -64,36 +101,40 @@ class SharedWeights:
             yield name, self.buffers[dtype][offset : offset + math.prod(shape)].view(shape)
 
     @classmethod
-    def allocate(cls, state: dict[str, torch.Tensor]) -> SharedWeights:
-        """Empty shared buffers laid out for `state`'s names, shapes and dtypes."""
+    def allocate(cls, entries: list[Entry]) -> SharedWeights:
+        """Empty shared buffers laid out for `entries` (names, dtypes, shapes)."""
         layout, sizes = [], {}
-        for name, dtype, shape, numel in _entries(state):
+        for name, dtype, shape, numel in entries:
             layout.append((name, dtype, sizes.get(dtype, 0), shape))
             sizes[dtype] = sizes.get(dtype, 0) + numel
         buffers = {d: torch.empty(n, dtype=getattr(torch, d)).share_memory_() for d, n in sizes.items()}
         return cls(buffers, layout)
 
-    def fits(self, state: dict[str, torch.Tensor]) -> bool:
-        return [(n, d, s) for n, d, _, s in self.layout] == [(n, d, s) for n, d, s, _ in _entries(state)]
+    def fits(self, entries: list[Entry]) -> bool:
+        return [(n, d, s) for n, d, _, s in self.layout] == [(n, d, s) for n, d, s, _ in entries]
 
-    def fill(self, state: dict[str, torch.Tensor]) -> SharedWeights:
-        """Copy `state` (any device) into the buffers; returns self."""
-        for (_, view), t in zip(self.tensors(), state.values(), strict=True):
+    def fill(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> SharedWeights:
+        """Copy (name, tensor) pairs (any device), in layout order, into the buffers; returns self."""
+        for (_, view), (_, t) in zip(self.tensors(), pairs, strict=True):
             view.copy_(t)
         return self
 
 
-def _entries(state: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...], int]]:
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _entries(state: dict[str, torch.Tensor]) -> list[Entry]:
     """(name, dtype name, shape, element count) of each tensor: what a SharedWeights layout records."""
-    return [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel()) for n, t in state.items()]
+    return [(n, _dtype(t), tuple(t.shape), t.numel()) for n, t in state.items()]
 
 
 def shared_snapshot(model: torch.nn.Module, spare: SharedWeights | None = None) -> SharedWeights:
     """A copy of `model`'s full weights in shared memory, in `spare`'s buffers when they fit (a collective under
-    ZeRO-3: every rank calls it). Later optimizer steps cannot change the copy."""
-    with full_weights(model) as state:
-        target = spare if spare is not None and spare.fits(state) else SharedWeights.allocate(state)
-        return target.fill(state)
+    ZeRO-3: every rank calls it; gathered one parameter at a time). Later optimizer steps cannot change the copy."""
+    with weight_stream(model) as (entries, pairs):
+        target = spare if spare is not None and spare.fits(entries) else SharedWeights.allocate(entries)
+        return target.fill(pairs)
 
 
 def write_snapshot(weights: SharedWeights, folder: Path) -> Path:
@@ -111,4 +152,4 @@ def read_snapshot(folder: Path) -> SharedWeights:
     from safetensors.torch import load_file
 
     state = load_file(str(Path(folder) / WEIGHTS_FILE))
-    return SharedWeights.allocate(state).fill(state)
+    return SharedWeights.allocate(_entries(state)).fill(state.items())
