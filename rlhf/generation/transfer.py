@@ -6,17 +6,14 @@ the API's calls: `init_weight_transfer_engine` once, then per version `start_wei
 (vllm/v1/worker/cpu_worker.py: `class CPUWorker(Worker)`, no override of `load_model`, where the transfer engine is
 created), so a CPU run drives the very calls a GPU run makes.
 
-Backends (`choose_backend`, a pure function of where the engine runs):
-- LOCAL ("rlhf_local", registered here): the weights are tensors the engine's own process can address, handed over
-  by reference in `update_info["weights"]`: the trainer's tensors when vLLM runs in the trainer's process
-  (colocated, CPU or GPU), or a `SharedWeights` handle (shared CPU memory) that the engine process or a Ray actor
-  received. The worker loads them as vLLM's IPC/NCCL engines do: layerwise reload around `model.load_weights`, the
-  path that re-packs CPU linear weights (plain `model.load_weights` does not).
-- "ipc" (vLLM's): an engine in another process on the learner's GPU (colocated beside several training ranks).
-- "nccl" (vLLM's): an engine on a GPU of its own (vllm_async, the paper's layout). Not wired on the trainer's side
-  yet: see docs/gpu.md, "Weight sync".
-IPC is never chosen inside one process: a CUDA IPC handle cannot be opened by the process that exported it, and
-there the tensors are addressable anyway.
+The backend, LOCAL ("rlhf_local", registered here), hands the worker tensors its own process can address: the
+trainer's tensors when vLLM runs in the trainer's process (colocated, CPU or GPU: on one GPU that is a device-to-
+device read, what vLLM's "ipc" engine gives a separate process), or a `SharedWeights` handle (shared host memory)
+that the engine process or a Ray actor received. The worker loads them as vLLM's IPC/NCCL engines do: layerwise
+reload around `model.load_weights`, the path that re-packs CPU linear weights (plain `model.load_weights` does not).
+vLLM's "nccl" engine is not used for an engine in its own process: its update is a rendezvous (the trainer's send
+blocks until the engine's worker reaches the update), and the async engine reaches it only after the N batches
+queued before it, so the trainer would wait out the overlap the engine exists for. docs/gpu.md, "Weight sync".
 
 Registration must run in every process that builds an engine (the engine process is spawned, Ray actors are their
 own processes): VLLMEngine calls `register()` before it builds vLLM.
@@ -32,14 +29,6 @@ from typing import Any
 import torch
 
 LOCAL = "rlhf_local"
-
-
-def choose_backend(engine_device: str, learner_device: str, own_process: bool) -> str:
-    """The weight-transfer backend for an engine on `engine_device` ("cpu", "cuda:<i>") fed by a learner on
-    `learner_device`; `own_process`: vLLM runs in a process of its own (factory.Placement.own_process)."""
-    if not own_process or not engine_device.startswith("cuda"):
-        return LOCAL
-    return "ipc" if engine_device == learner_device else "nccl"
 
 
 def transfer_config(backend: str):

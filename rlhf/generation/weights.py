@@ -61,25 +61,31 @@ def _zero3(model: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def weight_stream(model: torch.nn.Module) -> Iterator[tuple[list[Entry], Iterator[tuple[str, torch.Tensor]]]]:
     """(entries, pairs): what `full_weights` holds, known before anything is gathered, and its (name, tensor) pairs
-    one at a time. Under ZeRO-3 each parameter is gathered only while it is read (peak extra memory: one parameter
-    and what the consumer keeps of it), a collective: every rank iterates all pairs, in order. A yielded tensor
-    stays valid afterwards (DeepSpeed re-points the parameter to an empty tensor, the gathered storage lives on).
-    A LoRA policy under ZeRO-3 is still gathered whole: merging reads each module's base weight and adapters."""
-    if lora.is_lora(model) or not _zero3(model):
+    one at a time. Under ZeRO-3 each weight is gathered only while it is read (with its adapters, for a LoRA
+    policy's merged weights): peak extra memory one weight and what the consumer keeps of it. A collective: every
+    rank iterates all pairs, in order."""
+    if not _zero3(model):
         with full_weights(model) as state:
             yield _entries(state), iter(state.items())
         return
-    state = model.state_dict(keep_vars=True)
-    full = {n: (tuple(getattr(t, "ds_shape", t.shape)), getattr(t, "ds_numel", t.numel())) for n, t in state.items()}
-    yield [(n, _dtype(t), *full[n]) for n, t in state.items()], _gathered_one_by_one(state)
+    if lora.is_lora(model):
+        plan = lora.merge_plan(model)
+    else:
+        plan = [(name, t, None) for name, t in model.state_dict(keep_vars=True).items()]
+    entries = []
+    for name, t, layer in plan:
+        dtype = "float32" if layer is not None else _dtype(t)  # merged weights are float32 (lora.merged_weight)
+        entries.append((name, dtype, tuple(getattr(t, "ds_shape", t.shape)), getattr(t, "ds_numel", t.numel())))
+    yield entries, _gathered_one_by_one(plan)
 
 
-def _gathered_one_by_one(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def _gathered_one_by_one(plan) -> Iterator[tuple[str, torch.Tensor]]:
     import deepspeed
 
-    for name, t in state.items():
-        with deepspeed.zero.GatheredParameters([t], enabled=hasattr(t, "ds_id")):
-            yield name, t.detach()
+    for name, t, layer in plan:
+        params = [t, *(lora.layer_parameters(layer) if layer is not None else ())]
+        with deepspeed.zero.GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params)):
+            yield name, lora.merged_weight(t, layer).detach()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -62,18 +62,32 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     them once, to its own precision, when it loads them. Added in bf16, an update below bf16's step next to W would
     vanish from the engine's weights while the learner, which adds B @ A x on its own, keeps it.
 
-    Reads the weights as they are: under ZeRO-3 call it inside a gather (rlhf.generation.weights)."""
+    Reads the weights as they are: under ZeRO-3 call it inside a gather, or stream it (rlhf.generation.weights)."""
+    return {name: merged_weight(t, layer).detach() for name, t, layer in merge_plan(model)}
+
+
+def merge_plan(model: nn.Module) -> list[tuple[str, torch.Tensor, nn.Module | None]]:
+    """(base model name, the base model's parameter or buffer, its LoRA layer or None) of every merged weight, in
+    state_dict order, nothing read: a stream can gather each weight with its adapters (`layer_parameters`) alone."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    deltas = {f"{name}.weight": _delta(m) for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    merged = {}
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
-        name = name.replace(".base_layer.", ".")
-        merged[name] = tensor.float() + deltas[name] if name in deltas else tensor
-    return merged
+    layers = {f"{name}.base_layer.weight": m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    plan = []
+    for name, tensor in base.state_dict(keep_vars=True).items():
+        if ".lora_" not in name:
+            plan.append((name.replace(".base_layer.", "."), tensor, layers.get(name)))
+    return plan
+
+
+def layer_parameters(layer: nn.Module) -> list[torch.Tensor]:
+    """The adapter weights a LoRA layer's merged weight reads besides its base weight."""
+    return [layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight]
+
+
+def merged_weight(tensor: torch.Tensor, layer: nn.Module | None) -> torch.Tensor:
+    """W + scale * B @ A in float32 for a LoRA layer's base weight W; any other weight as it is."""
+    return tensor if layer is None else tensor.float() + _delta(layer)
 
 
 def _delta(module) -> torch.Tensor:
