@@ -86,7 +86,8 @@ def test_tiny_model_save_reload_identical_logits(tmp_path, tok, architecture):
     cfg = SMALL.model_copy(update={"architecture": architecture})
     model = tiny.build_tiny_model(cfg, tok, seed=7)
     assert model.config.model_type == architecture
-    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied
+    tied = model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert tied == (architecture == "llama")  # GPT-NeoX as Pythia: embed_in and lm_head apart
     assert (model.config.pad_token_id, model.config.eos_token_id) == (0, 3)
     assert model.get_input_embeddings().weight.shape == (21, 32) and model.dtype == torch.float32
     assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())

@@ -130,7 +130,7 @@ def _eager_on_cpu(device: torch.device):
 
 # What building an engine imports, vLLM importing most of it lazily inside LLM(): imported first, the heap frozen
 # before vLLM's full collections covers it (on the slow box an engine build then imported 150 modules instead of
-# 2,557 and took 61 s instead of 285, with the KV cache below). Model code for Llama (tiny, SmolLM2) only.
+# 2,557 and took 61 s instead of 285, with the KV cache below). Model code for Llama (tiny, SmolLM2) and GPT-NeoX.
 ENGINE_MODULES = (
     "vllm.entrypoints.llm",
     "vllm.v1.engine.llm_engine",
@@ -141,6 +141,10 @@ ENGINE_MODULES = (
     "vllm.v1.sample.sampler",
     "vllm.model_executor.model_loader.default_loader",
     "vllm.model_executor.models.llama",
+    # GPT-NeoX (tiny gpt_neox, Pythia): vLLM 0.32 serves it with its Transformers backend over transformers' own
+    # modeling code (registry: "GPTNeoXForCausalLM" -> transformers); 27 modules, 0.2 s here
+    "vllm.model_executor.models.transformers",
+    "transformers.models.gpt_neox.modeling_gpt_neox",
 )
 CPU_MODULES = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn")
 

@@ -22,6 +22,7 @@ from rlhf.config import ModelConfig
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<eos>"
 SPECIAL_TOKENS = [PAD, UNK, BOS, EOS]  # ids 0..3 in this order
+PYTHIA_ROTARY_PCT = 0.25  # Pythia's rotary_pct: rotary on the first quarter of each head's dims, the rest as is
 # A word (contractions such as "didn't" and "it's" stay one word) or one punctuation character.
 WORD_OR_PUNCT = r"\w+(?:['’]\w+)*|[^\w\s]"
 
@@ -66,9 +67,10 @@ def train_word_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokeniz
 def build_tiny_model(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
     """A randomly initialised float32 causal LM with the dims of `model_cfg` and the tokenizer's vocabulary.
 
-    Llama (default) or GPT-NeoX (model_cfg.architecture="gpt_neox"); tied input/output embeddings, every dropout
-    0, bos/eos/pad ids taken from the tokenizer. The same seed gives the same weights, and the global torch RNG
-    is left as it was.
+    Llama (default, tied input/output embeddings) or GPT-NeoX (model_cfg.architecture="gpt_neox") with Pythia's
+    choices where they differ from Llama: untied embed_in / embed_out, parallel residual, rotary on a quarter of
+    each head (rotary_pct 0.25), fused QKV and biases; every dropout 0, bos/eos/pad ids taken from the tokenizer.
+    The same seed gives the same weights, and the global torch RNG is left as it was.
     For the vLLM engines, head_dim = hidden_size / num_heads must be one that vLLM's CPU attention supports
     (32, 64, 80, 96, 112, 128, ...; 16 fails at engine start): the defaults 128 / 4 = 32 do.
     """
@@ -82,16 +84,23 @@ def build_tiny_model(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast,
         num_attention_heads=model_cfg.num_heads,
         intermediate_size=model_cfg.intermediate_size,
         max_position_embeddings=model_cfg.max_position_embeddings,
-        tie_word_embeddings=True,
         attention_dropout=0.0,
         dtype="float32",
         **ids,
     )
     if model_cfg.architecture == "llama":
-        config = LlamaConfig(num_key_value_heads=model_cfg.num_heads, **common)
+        config = LlamaConfig(num_key_value_heads=model_cfg.num_heads, tie_word_embeddings=True, **common)
         cls = LlamaForCausalLM
     elif model_cfg.architecture == "gpt_neox":
-        config = GPTNeoXConfig(hidden_dropout=0.0, classifier_dropout=0.0, use_parallel_residual=True, **common)
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": PYTHIA_ROTARY_PCT}
+        config = GPTNeoXConfig(
+            hidden_dropout=0.0,
+            classifier_dropout=0.0,
+            use_parallel_residual=True,
+            rope_parameters=rope,
+            tie_word_embeddings=False,
+            **common,
+        )
         cls = GPTNeoXForCausalLM
     else:  # the config's Literal makes this unreachable; keep the error explicit for hand-built configs
         raise ValueError(f"model.architecture: unknown tiny architecture {model_cfg.architecture!r}")
