@@ -156,14 +156,14 @@ def _math_task(cli: list[str], data: Path, vllm_cuda: bool) -> list[Check]:
 
 
 def _gpt_neox(cli: list[str], data: Path, vllm_cuda: bool) -> list[Check]:
-    """PLACEHOLDER (to be wired with the tiny GPT-NeoX option): the ci stages on a GPT-NeoX policy, then PPO on vLLM.
-    Until `model.architecture` exists these FAIL on the unknown key."""
+    """The ci stages on a tiny GPT-NeoX policy (Pythia's layout; vLLM runs it through its Transformers backend), then
+    PPO on both vLLM engines: the trainer's own GPT-NeoX beside a colocated engine, the reward model and the
+    reference beside the async one (rlhf.generation.hf_classes)."""
     common = [f"data_dir={data}", "tracking.wandb_mode=disabled", "model.architecture=gpt_neox"]
     out = [Check(f"gpt_neox: stage {s}", [*cli, s, *common]) for s in ("prepare", "gold", "sft", "reward", "train")]
-    if vllm_cuda:
-        out.append(
-            Check("gpt_neox: train ppo on vllm", [*cli, "train", "--trainer", "ppo", "train.engine=vllm", *common])
-        )
+    for engine in ("vllm", "vllm_async") if vllm_cuda else ():
+        train = [*cli, "train", "--trainer", "ppo", f"train.engine={engine}", "train.score_in_engine=always", *common]
+        out.append(Check(f"gpt_neox: train ppo on {engine}", train))
     return out
 
 

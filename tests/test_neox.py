@@ -21,13 +21,13 @@ import pytest
 import torch
 from test_vllm_engines import CPU, MAX_MODEL_LEN, SEED, SMALL, TEXTS, prompt_ids
 
-from rlhf.generation.base import SamplingParams
+from rlhf.generation.base import ReferenceSpec, SamplingParams
 from rlhf.generation.factory import make_engine
 from rlhf.generation.hf import HFEngine
-from rlhf.generation.hf_classes import hf_classes_kept
 from rlhf.models import loading, tiny
 from rlhf.models.batch import assemble
 from rlhf.models.forward import reference_logprobs
+from rlhf.rewards.proxy import RewardSpec
 
 # one vLLM engine at a time in a process, after the Llama ones (`make test` runs with --dist loadgroup)
 pytestmark = pytest.mark.xdist_group("vllm_engines")
@@ -100,14 +100,13 @@ def test_hf_engine_samples_the_neox_with_the_learners_log_probs(neox):
 
 
 def test_colocated_vllm_engine_takes_every_neox_tensor(neox, tmp_path):
-    """Built inside hf_classes_kept, as a colocated engine must be for GPT-NeoX (rlhf.generation.hf_classes): the
-    trainer's models of the process, built before or after the engine, still run."""
+    """The trainer's models of the process, built before or after its colocated engine, still run (vLLM's
+    Transformers backend decorates transformers' GPTNeoXModel in place: rlhf.generation.hf_classes)."""
     folder, tok = neox
     learner = loading.load_causal_lm(folder)  # the trainer's policy exists before its colocated engine
     start = time.perf_counter()
     limits = dict(device=CPU, seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path)
-    with hf_classes_kept(folder):
-        engine = make_engine("vllm", None, folder, tok, **limits)
+    engine = make_engine("vllm", None, folder, tok, **limits)
     print(f"\ncolocated vLLM GPT-NeoX engine start: {time.perf_counter() - start:.1f} s")
     try:
         assert_each_tensor_syncs(engine, learner, tok)
@@ -119,12 +118,22 @@ def test_colocated_vllm_engine_takes_every_neox_tensor(neox, tmp_path):
 
 
 def test_async_vllm_engine_takes_every_neox_tensor(neox, tmp_path):
-    """Through the engine process: each version travels as a shared-memory snapshot and is loaded there."""
+    """Through the engine process: each version travels as a shared-memory snapshot and is loaded there. The engine
+    also scores there, with a GPT-NeoX reward model and reference loaded before vLLM and run after it."""
     folder, tok = neox
-    limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path, max_staleness=1)
-    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits)
+    loading.save_pretrained(loading.reward_model_from_causal(folder), tok, tmp_path / "rm")
+    scoring = dict(reward=RewardSpec("proxy", str(tmp_path / "rm")), reference=ReferenceSpec(PARAMS.temperature))
+    limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path / "work", max_staleness=1)
+    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits, **scoring, score="always")
     try:
         engine.wait_ready()
         assert_each_tensor_syncs(engine, loading.load_causal_lm(folder), tok)
+        prompts = prompt_ids(tok, TEXTS[:3])
+        engine.submit(prompts, PARAMS)
+        gen = engine.receive()
+        inputs = assemble(prompts, gen.responses, PARAMS.k, tok.pad_token_id, tok.eos_token_id)
+        sft = reference_logprobs(loading.load_causal_lm(folder), inputs, PARAMS.temperature)
+        assert gen.scores is not None and gen.scores.shape == (len(prompts) * PARAMS.k,)
+        torch.testing.assert_close(gen.ref_logprobs, sft, rtol=0, atol=TOL)  # the SFT GPT-NeoX, run in the engine
     finally:
         engine.close()

@@ -44,6 +44,7 @@ import torch
 
 from rlhf.generation import transfer
 from rlhf.generation.base import Generated, SamplingParams
+from rlhf.generation.hf_classes import hf_classes_kept
 from rlhf.generation.weights import SharedWeights, weight_stream
 from rlhf.models.batch import pad_right
 
@@ -209,7 +210,8 @@ class VLLMEngine:
             memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 4096))
         transfer.register()  # in every process that builds an engine: vLLM's factory is per process
         start = time.perf_counter()
-        with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"):  # read while the engine is built (see the top)
+        # The environment is read while the engine is built (see the top); GPT-NeoX: rlhf.generation.hf_classes
+        with _environment(VLLM_ENABLE_V1_MULTIPROCESSING="0"), hf_classes_kept(model_folder):
             self.llm = LLM(
                 model=str(model_folder),
                 load_format="safetensors",  # never unpickle a .bin
