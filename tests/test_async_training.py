@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -68,24 +69,29 @@ def test_colocated_vllm_preset_generates_with_current_weights(ci_data):
 
 
 def test_killing_the_engine_process_stops_training_with_a_clear_error(ci_data):
+    """The engine is killed mid-run, once the progress bar shows trained batches (not at start-up, not after a fixed
+    sleep that a slow box may not fill): the run fails within seconds with one error line naming the engine process,
+    its pid and the signal."""
     settings = [f"data_dir={ci_data}", "tracking.wandb_mode=disabled", "train.total_episodes=4000"]
     cmd = rlhf_command("--profile", "ci", "train", "--trainer", "online_dpo_vllm", *settings)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []  # tqdm redraws its bar with carriage returns: read chunks, not lines
+    reader = threading.Thread(target=lambda: err.extend(iter(lambda: proc.stderr.read(256), "")), daemon=True)
+    reader.start()
     try:
         deadline = time.time() + COMMAND_TIMEOUT
-        engine = None
-        while engine is None and time.time() < deadline:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            children = psutil.Process(proc.pid).children(recursive=True)
-            engine = next((c for c in children if "spawn" in " ".join(c.cmdline())), None)
-            time.sleep(0.5)
-        assert engine is not None, "the engine process never started"
-        time.sleep(15)  # let training get going: the engine is mid-run, not starting up
-        assert proc.poll() is None
+        while not re.search(r"\| *([2-9]|\d\d+)/\d+ \[", "".join(err)):  # two batches trained at least
+            assert proc.poll() is None and time.time() < deadline, "".join(err)[-3000:]
+            time.sleep(0.2)
+        engine = next(c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn" in " ".join(c.cmdline()))
         os.kill(engine.pid, signal.SIGKILL)
-        _, err = proc.communicate(timeout=COMMAND_TIMEOUT)  # a run waiting on the dead engine would hang here
-        assert proc.returncode != 0
-        assert "vLLM engine" in err
+        killed = time.time()
+        proc.wait(timeout=COMMAND_TIMEOUT)  # a run waiting on the dead engine would hang here
+        reader.join(timeout=10)
+        assert proc.returncode == 1 and time.time() - killed < 30
+        errors = [line for line in "".join(err).splitlines() if line.startswith("rlhf train: error:")]
+        assert len(errors) == 1, "".join(err)[-3000:]
+        assert f"vLLM engine process (pid {engine.pid}, exit code -9 (SIGKILL))" in errors[0]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -134,15 +140,15 @@ def test_engine_placement_follows_the_papers_layout(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # a mock: no GPU can exist here
     gpu0 = torch.device("cuda", 0)
     assert placement("vllm_async", "auto", None, 3, gpu0) == Placement("cuda:3", True, 0.9)  # 3 + 1 GPUs
-    assert placement("vllm", "auto", None, 3, gpu0) == Placement("cuda:0", True, 0.3)  # shares rank 0's GPU
-    assert placement("vllm", "auto", None, 1, gpu0) == Placement("cuda:0", False, 0.3)
-    assert placement("vllm_async", "auto", None, 4, gpu0) == Placement("cuda:0", True, 0.3)  # no spare GPU
+    assert placement("vllm", "auto", None, 3, gpu0) == Placement("cuda:0", True, 0.3, None, True)  # shares rank 0's GPU
+    assert placement("vllm", "auto", None, 1, gpu0) == Placement("cuda:0", False, 0.3, None, True)
+    assert placement("vllm_async", "auto", None, 4, gpu0) == Placement("cuda:0", True, 0.3, None, True)  # no spare GPU
     assert placement("vllm_async", "cuda:2", 0.5, 2, gpu0) == Placement("cuda:2", True, 0.5)
-    assert placement("vllm", "cuda", None, 1, gpu0) == Placement("cuda:0", False, 0.3)
+    assert placement("vllm", "cuda", None, 1, gpu0) == Placement("cuda:0", False, 0.3, None, True)
     # Ray engines: a GPU Ray gives each actor (its cuda:0), from those after the training ranks' on this node; or the
     # CPU. With no spare GPU the local cluster offers rank 0's, shared.
     assert placement("vllm_async", "auto", None, 2, gpu0, "ray") == Placement("cuda:0", True, 0.9, (2, 3))
-    assert placement("vllm_async", "auto", None, 4, gpu0, "ray") == Placement("cuda:0", True, 0.3, (0,))
+    assert placement("vllm_async", "auto", None, 4, gpu0, "ray") == Placement("cuda:0", True, 0.3, (0,), True)
     assert placement("vllm_async", "cuda:2", 0.5, 1, gpu0, "ray") == Placement("cuda:0", True, 0.5, (1, 2, 3))
     assert placement("vllm_async", "cpu", None, 1, gpu0, "ray") == Placement("cpu", True, None)
     assert placement("vllm_async", "auto", None, 1, cpu, "ray") == Placement("cpu", True, None)

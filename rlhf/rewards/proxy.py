@@ -9,6 +9,7 @@ score batches while the learner trains.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -42,7 +43,7 @@ class ProxyReward:
         last = batch.response_mask.sum(1).clamp(min=1) - 1
         s, a, p = batch.sequences, batch.attn, batch.positions
         chunks = [slice(i, i + self.chunk) for i in range(0, len(s), self.chunk)]
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext():
             scores = [sequence_scores(self.model, s[c], a[c], p[c], batch.context, last[c]) for c in chunks]
         return torch.cat(scores)
 
