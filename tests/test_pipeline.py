@@ -54,8 +54,10 @@ def pipeline_repo(repo, dvc_cache, params_text: str):
     sh("dvc", "init", "-q", cwd=repo)
     sh("dvc", "config", "core.analytics", "false", cwd=repo)
     sh("dvc", "config", "--local", "cache.dir", str(dvc_cache), cwd=repo)
-    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")  # the project's: its offline plots page
-    sh(sys.executable, "-m", "rlhf.plots_page", cwd=repo)  # what `make setup` does
+    # the project's DVC settings, as a clone has them: its offline plots page and its plot templates
+    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")
+    shutil.copy(ROOT / ".dvc" / "plots_page.html", repo / ".dvc" / "plots_page.html")
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots", dirs_exist_ok=True)
     sh("dvc", "repro", cwd=repo)
     sh("git", "add", "-A", cwd=repo)
     sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "ci pipeline", cwd=repo)
