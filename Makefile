@@ -4,8 +4,6 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-# `dvc plots show/diff` render offline with this page (.dvc/config: plots.html_template; rlhf/plots_page.py).
-PLOTS_PAGE := .cache/dvc_plots_template.html
 # Runs a command with the offline/quiet environment and project-local caches (rlhf/runtime.py).
 ENV := $(VENV)/bin/python -m rlhf.runtime
 PYTEST_ARGS ?=
@@ -42,7 +40,7 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup run plots test lint gpu-smoke gpu-check gpu-wheels serve deploy worker chromium clean-venv
 
-setup: $(STAMP) $(PLOTS_PAGE)
+setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -55,18 +53,16 @@ $(STAMP): pyproject.toml
 	[ "$(VLLM)" = gpu ] || $(UV) pip uninstall $(UV_ARGS) torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
-$(PLOTS_PAGE): $(STAMP)
-	$(ENV) python -m rlhf.plots_page $(PLOTS_PAGE)
-
-run: $(STAMP) $(PLOTS_PAGE)
+run: $(STAMP)
 	$(ENV) dvc repro
 	$(ENV) rlhf report
 
-# The pipeline's charts as one page, drawn offline: dvc_plots/index.html (open it in a browser).
-plots: $(STAMP) $(PLOTS_PAGE)
+# The pipeline's charts as one page, drawn offline: dvc_plots/index.html (open it in a browser). The page template
+# with vega inlined is committed: .dvc/plots_page.html (rlhf/plots_page.py).
+plots: $(STAMP)
 	$(ENV) dvc plots show
 
-test: lint $(STAMP) $(PLOTS_PAGE) chromium
+test: lint $(STAMP) chromium
 	$(ENV) python -m pytest $(PYTEST_REPORT) -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Style (ruff, line length 120) and the layer rules (import-linter: [tool.importlinter] in pyproject.toml).

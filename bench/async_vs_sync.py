@@ -165,14 +165,13 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
         "ideal_overlap_of_sync": ideal,
         "speedup_async_vs_sync": speedups[0],
         "gold_async_minus_sync_points": statistics.mean(gaps),
-        "gold_async_minus_sync_points_stderr": statistics.stdev(gaps) / len(gaps) ** 0.5
-        if len(gaps) > 1
-        else float("nan"),
         "speedup_async_vs_sync_mean_over_seeds": statistics.mean(speedups),
         "speedup_steady_async_vs_sync_mean_over_seeds": statistics.mean(steadies),
         "speedup_wall_async_vs_sync_mean_over_seeds": statistics.mean(walls),
         "seeds": len(gaps),
     }
+    if len(gaps) > 1:  # one seed has no standard error; NaN would be a `dvc metrics diff` row forever (NaN != NaN)
+        summary["gold_async_minus_sync_points_stderr"] = statistics.stdev(gaps) / len(gaps) ** 0.5
     if sync_name == "sync_hf" and "vllm_colocated" in results:
         colocated = results["vllm_colocated"]["loop_seconds"]
         summary["speedup_colocated_vs_sync"] = sync["loop_seconds"] / colocated

@@ -8,7 +8,7 @@ torch (CPU) / transformers / accelerate / datasets ..., so only the training sys
 not touched) and stamps it. Runs alternate ours-dpo, trl-dpo, ours-rloo, trl-rloo, R times, each in its own
 process (peak RSS = the larger of its getrusage high-water mark and its process tree's RSS sampled every 0.2 s).
 Prints the resolved settings side by side, one row per run, the timing breakdown and ours/TRL ratios, and
-writes bench/metrics/vs_trl.json (a DVC metrics file: dvc.yaml lists bench/metrics).
+writes bench/metrics/vs_trl.json (compare commits with `dvc metrics diff --targets bench/metrics -R`).
 
 Identical on both sides: the SFT policy folder and tokenizer, the proxy RM folder, the exact prompt list and
 order our loop consumes (TRL's samplers run sequentially over it), prompts per step, k, max new tokens,

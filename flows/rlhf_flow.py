@@ -113,11 +113,13 @@ def publish_artifacts(ws: str, name: str, metrics: dict[str, dict]) -> None:
 def save_experiment(project: str, ws: str, name: str, metrics: list[str]) -> str:
     """`dvc exp save` the workspace as experiment `name` and fetch its ref into the project.
 
-    dvc.lock, the metrics/plots files and the report go in: `cache: false` outputs and a page that git ignores;
-    `-I` puts them in the experiment commit so `dvc exp show` / `dvc plots diff` can read them. Returns the ref.
+    dvc.lock, the metrics, every stage's data/metrics file (diagnostics: plain outs), the plots files and the report
+    go in: `cache: false` outputs and a page that git ignores; `-I` puts them in the experiment commit so `dvc exp
+    show` / `dvc plots diff` / `dvc exp apply` can read them. Returns the ref.
     """
     ws_path = Path(ws)
     files = ["dvc.lock", *metrics, REPORT]
+    files += [str(p.relative_to(ws_path)) for p in sorted((ws_path / "data" / "metrics").glob("*.json"))]
     files += [str(p.relative_to(ws_path)) for p in sorted((ws_path / "data" / "plots").glob("*.csv"))]
     includes = [arg for f in dict.fromkeys(files) if (ws_path / f).exists() for arg in ("-I", f)]
     out = run_tool(["dvc", "exp", "save", "--name", name, *includes], ws_path)

@@ -1,11 +1,12 @@
 """The page template of `dvc plots show` / `dvc plots diff` that renders offline (.dvc/config: plots.html_template).
 
 DVC's own page loads vega, vega-lite and vega-embed from a CDN, so offline (this project's default) it stays blank.
-This template inlines the three libraries, bundled by vl-convert-python (a pip package: `make setup` installs it
-with the rest and writes the template), and has no `{scripts}` placeholder, where DVC would put its CDN tags: the
-page fetches nothing. Charts render as SVG, so the saved page holds them as markup.
+This template inlines the three libraries, bundled by vl-convert-python (a pinned dependency), and has no `{scripts}`
+placeholder, where DVC would put its CDN tags: the page fetches nothing. Charts render as SVG, so the saved page
+holds them as markup. The page is committed (.dvc/plots_page.html, ~0.9 MB) so that `dvc plots` works in a plain
+clone; tests/test_plots_page.py checks it is what this module writes with the pinned vl-convert.
 
-Usage: python -m rlhf.plots_page [PATH]   (default .cache/dvc_plots_template.html, where .dvc/config points)
+Usage: python -m rlhf.plots_page [PATH]   (default .dvc/plots_page.html, where .dvc/config points)
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import sys
 from pathlib import Path
 
 from rlhf.io import write_text
+from rlhf.runtime import PROJECT_ROOT
 
-DEFAULT_PATH = Path(".cache/dvc_plots_template.html")
+DEFAULT_PATH = PROJECT_ROOT / ".dvc" / "plots_page.html"
 # DVC's chart scripts call vegaEmbed(el, spec): make the libraries globals and SVG the renderer.
 GLOBALS = """window.vega = vega; window.vegaLite = vegaLite;
 window.vegaEmbed = (el, spec, opts) => vegaEmbed(el, spec, Object.assign({renderer: "svg"}, opts));"""

@@ -135,6 +135,19 @@ def chromium(profile_dir: Path, offline: bool = False) -> list[str]:
     return [path, *flags]
 
 
+def drawn_offline(page: Path, tmp_path: Path) -> str:
+    """The page's DOM after headless Chromium, with no host name resolving, ran its scripts."""
+    html = page.read_text()
+    assert "<script src" not in html and "cdn." not in html  # DVC's CDN tags stay out (rlhf/plots_page.py)
+    proc = subprocess.run(
+        [*chromium(tmp_path / "chromium", offline=True), "--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=COMMAND_TIMEOUT,
+    )
+    return proc.stdout
+
+
 def make_dvc_repo(path: Path, cache: Path | None = None) -> Path:
     """A git+DVC copy of the project's pipeline: dvc.yaml, params.yaml and the `rlhf` code its stages depend on.
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import warm
-from conftest import COMMAND_TIMEOUT, ROOT, chromium
+from conftest import ROOT, drawn_offline
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +54,10 @@ def pipeline_repo(repo, dvc_cache, params_text: str):
     sh("dvc", "init", "-q", cwd=repo)
     sh("dvc", "config", "core.analytics", "false", cwd=repo)
     sh("dvc", "config", "--local", "cache.dir", str(dvc_cache), cwd=repo)
-    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")  # the project's: its offline plots page
-    sh(sys.executable, "-m", "rlhf.plots_page", cwd=repo)  # what `make setup` does
+    # the project's DVC settings, as a clone has them: its offline plots page and its plot templates
+    shutil.copy(ROOT / ".dvc" / "config", repo / ".dvc" / "config")
+    shutil.copy(ROOT / ".dvc" / "plots_page.html", repo / ".dvc" / "plots_page.html")
+    shutil.copytree(ROOT / ".dvc" / "plots", repo / ".dvc" / "plots", dirs_exist_ok=True)
     sh("dvc", "repro", cwd=repo)
     sh("git", "add", "-A", cwd=repo)
     sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "ci pipeline", cwd=repo)
@@ -105,19 +107,6 @@ def test_a_second_repro_changes_nothing(repo):
     assert sh("git", "status", "--porcelain", cwd=repo).stdout.strip() == ""
 
 
-def drawn_offline(page, tmp_path) -> str:
-    """The page's DOM after headless Chromium, with no host name resolving, ran its scripts."""
-    html = page.read_text()
-    assert "<script src" not in html and "cdn." not in html  # DVC's CDN tags stay out (rlhf/plots_page.py)
-    proc = subprocess.run(
-        [*chromium(tmp_path / "chromium", offline=True), "--dump-dom", page.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_TIMEOUT,
-    )
-    return proc.stdout
-
-
 def test_dvc_plots_show_draws_every_chart_offline(repo, tmp_path):
     sh("dvc", "plots", "show", "-o", str(tmp_path / "plots"), cwd=repo)
     dom = drawn_offline(tmp_path / "plots" / "index.html", tmp_path)
@@ -155,7 +144,10 @@ def test_changing_a_train_param_shows_in_params_and_metrics_diff(repo):
     params = sh("dvc", "params", "diff", "--json", cwd=repo).stdout
     assert json.loads(params)["params.yaml"]["train.trainer"] == {"old": "online_dpo", "new": "rloo"}
     metrics = json.loads(sh("dvc", "metrics", "diff", "--json", cwd=repo).stdout)
-    assert "data/metrics/train.json" in metrics
+    # eval.json's results only: the stages' diagnostics are plain outs, and no run times (they change every run)
+    assert set(metrics) == {"data/metrics/eval.json"} and set(metrics["data/metrics/eval.json"]) <= EVAL_KEYS
+    table = sh("dvc", "metrics", "diff", "--md", cwd=repo).stdout
+    assert "| data/metrics/eval.json |" in table and "nan" not in table.lower(), table
 
 
 def test_dvc_plots_diff_overlays_the_workspace_and_head_offline(repo, tmp_path):
@@ -164,6 +156,29 @@ def test_dvc_plots_diff_overlays_the_workspace_and_head_offline(repo, tmp_path):
     dom = drawn_offline(tmp_path / "diff" / "index.html", tmp_path)
     assert dom.count('class="mark-line role-mark') >= 3 and 'class="mark-symbol role-mark' in dom
     assert ">workspace<" in dom and ">HEAD<" in dom  # the legend names both revisions
+
+
+# The README's comparison: each experiment's trainer, profile and headline results (DVC names the columns by key).
+EXP_SHOW = ["dvc", "exp", "show", "--drop", ".*", "--keep"]
+EXP_SHOW += ["Experiment|profile$|train.trainer|gold/win_rate_vs_sft|gold/policy|kl/policy_sft_mean"]
+HEADLINE = ["gold/policy", "gold/win_rate_vs_sft", "kl/policy_sft_mean"]  # in DVC's column order
+
+
+def test_dvc_exp_show_compares_experiments_in_120_columns(repo):
+    """After the change above, saved as an experiment: a row per run, within a 120-column terminal (DVC folds what
+    does not fit into "…"), both through its pager (the table at its own width) and without."""
+    sh("dvc", "exp", "save", "-n", "rloo-ci", cwd=repo)
+    ev = json.loads((repo / "data" / "metrics" / "eval.json").read_text())
+    for pager in ([], ["--no-pager"]):
+        out = sh("env", "COLUMNS=120", *EXP_SHOW, *pager, cwd=repo).stdout
+        lines = out.strip("\n").splitlines()
+        assert max(map(len, lines)) <= 120 and "…" not in out, out
+        assert lines[1].split() == ["Experiment", *HEADLINE, "profile", "train.trainer"], out
+        rows = [line.split() for line in lines[3:-1]]
+        (saved,) = [row for row in rows if "[rloo-ci]" in row]
+        values = [f"{ev[key]:.5g}" for key in HEADLINE]  # DVC's precision: 5 significant digits
+        assert saved[-5:] == [*values, "ci", "rloo"], out
+        assert ["ci", "online_dpo"] in [row[-2:] for row in rows], out  # the commit the experiment started from
 
 
 def test_the_math_task_end_to_end_with_dvc_repro(tmp_path, dvc_cache):

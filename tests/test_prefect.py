@@ -465,14 +465,17 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
 
     # The DVC record: `dvc exp show` lists the run with its params and metrics.
     shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
-    exps = {rev["name"]: rev["data"] for b in shown for e in (b.get("experiments") or []) for rev in e["revs"]}
+    revs = {rev["name"]: rev for b in shown for e in (b.get("experiments") or []) for rev in e["revs"]}
+    exps = {exp: rev["data"] for exp, rev in revs.items()}
     name = f"ppo-{run['name']}"
     assert set(exps) == {name}
     exp_params = exps[name]["params"]["params.yaml"]["data"]
     assert (exp_params["profile"], exp_params["train"]["trainer"], exp_params["seed"]) == ("ci", "ppo", 4321)
-    metrics = exps[name]["metrics"]
-    for stage in ("prepare", "gold", "sft", "reward", "train", "eval"):
-        assert metrics[f"data/metrics/{stage}.json"]["data"], stage
+    assert set(exps[name]["metrics"]) == {"data/metrics/eval.json"}  # the results: dvc.yaml's one metrics file
+    assert exps[name]["metrics"]["data/metrics/eval.json"]["data"]
+    # the stages' diagnostics (plain `cache: false` outs) are in the experiment's commit too
+    committed = run_ok(["git", "ls-tree", "-r", "--name-only", revs[name]["rev"]], repo, env)
+    assert all(f"data/metrics/{stage}.json" in committed for stage in ("prepare", "gold", "sft", "reward", "train"))
     # W&B: the train stage's offline run, under WANDB_DIR.
     assert list((home / "wandb").glob("wandb/offline-run-*/run-*.wandb"))
     # The user's checkout is untouched: its own edit only, no outputs, no DVC bookkeeping refs, no workspace.

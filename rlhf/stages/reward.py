@@ -223,7 +223,6 @@ def run(cfg: Config) -> dict:
         **trained,
         "agreement_heldout": agreement(model, tokenizer, test_df, cfg.reward.batch_size, device),
         "gold_margin_mean": float((pairs["chosen_gold"] - pairs["rejected_gold"]).mean()),
-        "seconds": time.perf_counter() - start,
     }
     columns = ["prompt", "chosen", "rejected", "chosen_gold", "rejected_gold"]
     frames = {"train": train_df, "test": test_df}  # a pretrained RM has no train split
@@ -234,7 +233,10 @@ def run(cfg: Config) -> dict:
         save_pretrained(model, tokenizer, tmp / "model")
         save_splits(splits, tmp / "pairs")
         write_json(cfg.path("metrics", "reward.json"), metrics)  # outputs go together: before the folder moves in
-    print(f"reward: {len(pairs)} gold-labelled pairs; held-out agreement with gold {metrics['agreement_heldout']:.3f}")
+    print(  # the time is printed, not kept in reward.json: a tracked file changing every run hides whether results did
+        f"reward: {len(pairs)} gold-labelled pairs; held-out agreement with gold {metrics['agreement_heldout']:.3f}; "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     return metrics
 
 

@@ -61,10 +61,12 @@ def run(cfg: Config) -> dict:
         loss = mean_token_loss(model, heldout_seqs, cfg.sft.batch_size, tokenizer.pad_token_id, device, heldout_prompts)
         metrics.update(heldout_loss=loss, heldout_perplexity=math.exp(min(loss, 50.0)))
 
-    metrics["seconds"] = round(time.perf_counter() - start, 1)
     with atomic_dir(cfg.path("sft")) as tmp:  # outputs go together: the metrics are written before the model moves in
         loading.save_pretrained(model, tokenizer, tmp)
         write_json(cfg.path("metrics", "sft.json"), metrics)
+    # the time is printed, not kept in sft.json: a tracked file changing with every run hides whether results did
+    loss = f"held-out loss {metrics['heldout_loss']:.3f}, " if "heldout_loss" in metrics else ""
+    print(f"sft: {loss}{time.perf_counter() - start:.1f} s -> {cfg.path('sft')}")
     _show_samples(cfg, model, tokenizer, heldout_rows if len(heldout_rows) else train_rows, device)
     return metrics
 

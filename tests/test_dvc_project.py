@@ -1,0 +1,49 @@
+"""The project's DVC settings as a plain clone has them: `dvc plots show` draws the committed plots files offline,
+with no pipeline run and no .cache/ (nothing `make setup` writes)."""
+
+import re
+import shutil
+import subprocess
+
+from conftest import ROOT, drawn_offline, isolated_env, run_ok
+
+
+def test_the_committed_plots_page_is_what_rlhf_plots_page_writes():
+    from rlhf.plots_page import DEFAULT_PATH, page_template
+
+    assert DEFAULT_PATH == ROOT / ".dvc" / "plots_page.html"  # where .dvc/config points
+    assert "html_template = plots_page.html" in (ROOT / ".dvc" / "config").read_text()
+    assert DEFAULT_PATH.read_text() == page_template(), "out of date: run `python -m rlhf.plots_page`"
+
+
+def plain_clone(path):
+    """The tracked files `dvc plots show` reads (dvc.yaml, params.yaml, .dvc/, data/plots/), as this checkout has
+    them, in a git repository of their own: a clone without the pipeline's outputs, .venv/ or .cache/."""
+    names = ["dvc.yaml", "params.yaml", ".dvc", "data/plots"]
+    tracked = subprocess.run(["git", "ls-files", *names], cwd=ROOT, capture_output=True, text=True, check=True)
+    tracked = tracked.stdout.split()
+    assert ".dvc/plots_page.html" in tracked and "data/plots/frontier.csv" in tracked
+    for name in tracked:
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, path / name)
+    env = isolated_env(path.parent / "home")
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"]):
+        run_ok(cmd, path, env)
+    run_ok(["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "clone"], path, env)
+    return env
+
+
+def test_dvc_plots_show_draws_every_chart_offline_in_a_plain_clone(tmp_path):
+    clone = tmp_path / "clone"
+    env = plain_clone(clone)
+    run_ok(["dvc", "plots", "show", "-o", "out"], clone, env)  # the suite's dvc: isolated_env puts it first
+    assert not (clone / ".cache").exists()
+    dom = drawn_offline(clone / "out" / "index.html", tmp_path)
+    charts = dom.split("<svg")[1:]
+    assert len(charts) >= 5, dom[:2000]  # 3 over episodes, the frontier, the eval bar chart
+    (frontier,) = [c for c in charts if ">gold win-rate vs SFT against KL (the frontier)<" in c]
+    # axis titles with units, not column names; the win-rate axis in percent and fitted to the points, not from 0
+    assert ">KL(policy || SFT), nats per response<" in frontier and ">gold win-rate vs the SFT policy<" in frontier
+    ticks = re.findall(r">(\d+)%<", frontier)
+    assert ticks and "0" not in ticks, ticks
+    assert 'class="mark-symbol role-mark' in frontier
