@@ -167,7 +167,8 @@ def test_split_by_rank_gives_each_rank_the_samples_of_its_own_prompts():
 def test_auto_scoring_moves_only_when_the_move_shortens_the_step():
     """score_in_engine: auto. The measured run that asked for this (docs/benchmarks.md, RLOO async on SmolLM2):
     update 45 s, generation 20 s, scoring 30 s. In the engine: the learner waits ~5 s a batch, the step ~50 s; moved to
-    the learner, the step would be 75 s: it stays. The learner moves it back once the engine idles longer than it costs."""
+    the learner, the step would be 75 s: it stays. The learner moves it back once the engine idles longer than it
+    costs."""
     from rlhf.generation.async_engine import engine_scores_next
 
     assert engine_scores_next(True, learner_wait=5.0, engine_idle=0.0, cost=30.0)  # the measured case: stays
