@@ -13,7 +13,8 @@ import pytest
 import warm
 from conftest import ROOT, drawn_offline
 
-pytestmark = pytest.mark.slow
+# The tests on the module's `repo` build on each other ("after the change above"): one worker runs them in order.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pipeline")]
 
 EVAL_KEYS = {
     "gold/win_rate_vs_sft",

@@ -82,7 +82,7 @@ def test_real_pipeline_order_comes_from_dvc_yaml():
         assert all(order.index(u) < order.index(stage) for u in upstream), (stage, upstream)
     assert order[0] == "prepare" and order[-1] == "evaluate"
     assert set(pipeline.upstream["train"]) == {"prepare", "sft", "reward", "gold"}
-    assert pipeline.metrics["train"] == ["data/metrics/train.json"]
+    assert pipeline.metrics["train"] == [] and pipeline.metrics["evaluate"] == ["data/metrics/eval.json"]
 
 
 # --- failures: which ones are retried --------------------------------------------------------------------
