@@ -635,3 +635,26 @@ def test_hf_engine_returns_the_log_probs_it_sampled_with(policy):
     real = expected != 0
     assert real.sum() > 10 and (gen.logprobs[real] < 0).all()
     torch.testing.assert_close(gen.logprobs[real], expected[real], rtol=0, atol=1e-4)
+
+
+def test_the_tokenizer_less_chat_warmup_warning_is_dropped_and_other_warmup_failures_kept():
+    """Every engine start printed vLLM's "Chat template warmup failed" with a 13-line traceback: our engines have no
+    tokenizer by design (token ids in and out). That one record is filtered where vLLM logs it; others pass."""
+    import logging
+    import sys
+
+    from rlhf.generation.vllm import WithoutTokenizerWarmup, import_engine_code
+
+    import_engine_code("cpu")
+    logger = logging.getLogger("vllm.renderers.base")
+    assert any(isinstance(f, WithoutTokenizerWarmup) for f in logger.filters)
+
+    def record(error: Exception) -> logging.LogRecord:
+        try:
+            raise error
+        except type(error):
+            info = sys.exc_info()
+        return logger.makeRecord(logger.name, logging.WARNING, "base.py", 380, "Chat template warmup failed", (), info)
+
+    assert not logger.filter(record(ValueError("Tokenizer not available when `skip_tokenizer_init=True`")))
+    assert logger.filter(record(RuntimeError("a jinja template that does not compile")))

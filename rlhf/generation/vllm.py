@@ -34,6 +34,7 @@ import contextlib
 import gc
 import hashlib
 import importlib
+import logging
 import os
 import time
 from collections import deque
@@ -150,10 +151,29 @@ ENGINE_MODULES = (
 CPU_MODULES = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.attention.backends.cpu_attn")
 
 
+class WithoutTokenizerWarmup(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" warning and its 13-line traceback at every engine start: our
+    engines are built without a tokenizer (skip_tokenizer_init: token ids in, token ids out), so its chat-template
+    warmup cannot run and nothing ever renders a chat through the engine. Any other failure of the warmup still shows.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage() == "Chat template warmup failed" and "skip_tokenizer_init" in str(error))
+
+
+def _quiet_warmup() -> None:
+    """Install WithoutTokenizerWarmup on the logger of vLLM's renderer, once per process."""
+    logger = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, WithoutTokenizerWarmup) for f in logger.filters):
+        logger.addFilter(WithoutTokenizerWarmup())
+
+
 def import_engine_code(device: str) -> None:
     """Import what building a VLLMEngine on `device` imports (seconds here; minutes on a slow box)."""
     for module in ENGINE_MODULES + (CPU_MODULES if torch.device(device).type == "cpu" else ()):
         importlib.import_module(module)
+    _quiet_warmup()
 
 
 def cpu_kv_cache_bytes(model_folder: Path, max_model_len: int, dtype: str, sequences: int = 256) -> int:
