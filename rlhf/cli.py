@@ -165,6 +165,8 @@ def _run(argv: list[str] | None) -> int:
         check_writable(outputs + ([cfg.path("checkpoints")] if args.command == "train" else []))
         built_with.check_inputs(cfg, args.command)
         runtime.configure_torch()  # inside the try: Ctrl-C while importing torch is an interrupt too
+        if args.command == "train":  # what this machine cannot run fails now, before the engine's process starts
+            _check_runnable_here(cfg)
         with stage_lock(lock_file(cfg.data_dir, args.command), args.command, cfg.data_dir, runtime.env_int("RANK", 0)):
             importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
             if runtime.env_int("RANK", 0) == 0:
@@ -180,6 +182,18 @@ def _run(argv: list[str] | None) -> int:
             traceback.print_exc()
         print(f"rlhf {args.command}: error: {_describe(e)}", file=sys.stderr)
         return 1
+
+
+def _check_runnable_here(cfg) -> None:
+    """Settings this machine cannot run (a CUDA engine device without CUDA, more Ray engines than a local cluster
+    can place): refused here, in one line, instead of a traceback from the engine's process minutes later."""
+    import torch
+
+    from rlhf.generation.factory import check_runnable_here
+    from rlhf.runtime import env_int
+
+    world = env_int("WORLD_SIZE", 1, minimum=1)
+    check_runnable_here(cfg.train, torch.cuda.device_count(), os.cpu_count() or 1, os.environ.get("RAY_ADDRESS"), world)
 
 
 _OS_ADVICE = {

@@ -306,6 +306,16 @@ class TrainConfig(_Section):
             raise ValueError(f"train.engine_backend: ray runs vllm_async engines, not {engine} (set train.engine)")
         if self.num_engines > 1 and self.engine_backend != "ray":
             raise ValueError(f"train.num_engines: {self.num_engines} engines need train.engine_backend: ray")
+        if engine == "vllm_async" and self.max_staleness < 1:
+            raise ValueError(
+                f"train.max_staleness: 0 with the vllm_async engine ({self.trainer}), which samples at least one "
+                "batch ahead; for batches sampled with the current weights use train.engine=vllm"
+            )
+        if engine == "hf" and self.engine_device != "auto":
+            raise ValueError(
+                f"train.engine_device: {self.engine_device} places a vLLM engine, and {self.trainer} samples with HF "
+                "generate on the training device; set train.engine=vllm or vllm_async, or leave engine_device auto"
+            )
         fractions = self.eval_checkpoints
         if not all(0 < f <= 1 for f in fractions) or sorted(set(fractions)) != fractions:
             raise ValueError(f"train.eval_checkpoints must rise within (0, 1], got {fractions}")

@@ -62,10 +62,14 @@ def test_overrides_keep_types_and_reach_nested_keys():
         ("train.learning_rate=.inf", "train.learning_rate: Input should be a finite number"),
         ("train.tis_cap=-.inf", "train.tis_cap: Input should be a finite number"),
         ("train.engine_device=gpu", "train.engine_device: String should match pattern"),
+        ("train.max_staleness=0", "train.max_staleness: 0 with the vllm_async engine (online_dpo_vllm), which samples"),
+        ("train.engine_device=cuda:1", "train.engine_device: cuda:1 places a vLLM engine, and ppo samples with HF"),
     ],
 )
 def test_bad_values_fail_at_load_time_naming_the_key(override, message):
-    engine = ["train.engine=vllm"] if "vLLM" in message else []
+    engine = ["train.engine=vllm"] if "vLLM's CPU" in message else []
+    engine += ["train.trainer=online_dpo_vllm"] if "vllm_async" in message else []
+    engine += ["train.trainer=ppo"] if "ppo samples" in message else []
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(PARAMS, "ci", [override, *engine])
 

@@ -225,3 +225,36 @@ def test_an_engine_on_a_gpu_the_learner_uses_is_built_after_the_learners_models(
         monkeypatch.setattr(setup, "own_process_engine", lambda cfg, where=where: ("vllm_async", where, gpu0))
         early = setup._start_engine_early(None, None, [], None, None)
         assert (early, made[-1:]) == ((None, []) if where.shares_gpu else ("engine", [where]))
+
+
+# --- what this machine cannot run --------------------------------------------------------------------------
+
+
+def test_settings_this_machine_cannot_run_are_refused_before_any_process_starts():
+    from rlhf.config import TrainConfig
+    from rlhf.generation.factory import check_runnable_here
+
+    def refused(gpus: int, cpus: int = 2, address: str | None = None, world: int = 1, **settings) -> str:
+        with pytest.raises(ValueError) as raised:
+            check_runnable_here(TrainConfig(trainer="online_dpo_vllm", **settings), gpus, cpus, address, world)
+        assert "\n" not in str(raised.value)
+        return str(raised.value)
+
+    assert "has no CUDA device; use auto or cpu" in refused(0, engine_device="cuda")
+    assert "has 2 CUDA device(s), cuda:0 to cuda:1" in refused(2, engine_device="cuda:2")
+    check_runnable_here(TrainConfig(trainer="online_dpo_vllm", engine_device="cuda:1"), 2, 2, None)
+    ray = dict(engine_backend="ray", num_engines=8)
+    assert "8 Ray engines, each asking for a CPU, on a local cluster that has 2" in refused(0, **ray)
+    assert "each asking for a GPU, on a local cluster that has 3" in refused(8, world=5, **ray)
+    check_runnable_here(TrainConfig(trainer="online_dpo_vllm", **ray), 0, 2, "10.0.0.1:6379")  # a cluster's own count
+    check_runnable_here(TrainConfig(trainer="online_dpo_vllm", **ray), 9, 2, None)  # 8 spare GPUs
+
+
+def test_the_cli_refuses_a_cuda_engine_device_without_cuda_in_one_line(tmp_path):
+    from conftest import run_cli
+
+    settings = ["--trainer", "online_dpo_vllm", f"data_dir={tmp_path}", "train.engine_device=cuda"]
+    out = run_cli("--profile", "ci", "train", *settings, timeout=120)
+    expected = "train.engine_device: cuda, but this machine has no CUDA device; use auto or cpu"
+    assert out.returncode == 1 and out.stderr.strip() == f"rlhf train: error: {expected}", out.stderr
+    assert not (tmp_path / "train").exists()

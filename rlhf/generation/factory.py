@@ -55,6 +55,26 @@ def placement(
     return Placement(device, own_process, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY), None, shared)
 
 
+def check_runnable_here(c, gpus: int, cpus: int, ray_address: str | None, world: int = 1) -> None:
+    """Refuse, in one line naming the setting, what this machine cannot run, before any process starts: train `c`
+    (a TrainConfig) in `world` processes on a machine with `gpus` CUDA devices visible and `cpus` CPUs, on the Ray
+    cluster at `ray_address` (None: a local one this run starts, with `cpus` CPUs and the GPUs the training
+    processes leave, as `placement` gives them)."""
+    if c.engine_device.startswith("cuda"):
+        index = int(c.engine_device.partition(":")[2] or 0)
+        if index >= gpus:
+            seen = "no CUDA device" if gpus == 0 else f"{gpus} CUDA device(s), cuda:0 to cuda:{gpus - 1}"
+            raise ValueError(f"train.engine_device: {c.engine_device}, but this machine has {seen}; use auto or cpu")
+    if c.engine_backend == "ray" and ray_address is None:
+        on_gpus = c.engine_device.startswith("cuda") or (c.engine_device == "auto" and gpus > 0)
+        room, what = (max(gpus - world, 1), "GPU") if on_gpus else (cpus, "CPU")
+        if c.num_engines > room:
+            raise ValueError(
+                f"train.num_engines: {c.num_engines} Ray engines, each asking for a {what}, on a local cluster that "
+                f"has {room} for them; use at most {room}, or join a larger cluster (RAY_ADDRESS, docs/scale-out.md)"
+            )
+
+
 def lookahead(name: str, max_staleness: int) -> int:
     """How many batches engine `name` samples ahead of training: max_staleness for vllm_async, else 0."""
     return max_staleness if name == "vllm_async" else 0
