@@ -353,7 +353,7 @@ def served(home, repo):
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.deployments", "--port", str(port)],
         cwd=repo,
-        env=env,
+        env=isolated_env(home),  # no PREFECT_API_URL, as `make serve` starts: the process sets its own
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -581,13 +581,17 @@ def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, repo, tmp_pa
 @pytest.mark.slow
 def test_ctrl_c_stops_runner_then_server(served):
     proc = served["proc"]
+    t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to `make serve`'s process group
     assert proc.wait(COMMAND_TIMEOUT) == 0
+    assert time.monotonic() - t0 < 15  # was 68 s: the runner talked to a second, temporary server being torn down
     assert not _healthy(served["api_url"])
     with pytest.raises(ProcessLookupError):
         os.kill(served["server_pid"], 0)
     log = served["log"].read_text()
     assert log.index("Received KeyboardInterrupt") < log.index("stopping the prefect server") < log.index("stopped")
+    assert "Traceback" not in log and "Error" not in log, log[-3000:]
+    assert "temporary server" not in log  # one server: the one `make serve` started
 
 
 def test_deployment_run_without_server_is_prefects_error(tmp_path):
