@@ -164,12 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))  # one line, exit 2
 
     runtime.configure()  # offline, quiet, PREFECT_HOME=.cache/prefect: before prefect reads its settings
+    api_url = f"http://{HOST}:{args.port}/api"
+    # Before prefect is imported (check_prefect_settings imports it): prefect reads its settings once, and without an
+    # API URL `serve` started a temporary server of its own on another port, against the same database.
+    os.environ["PREFECT_API_URL"] = api_url
     try:
         check_prefect_settings()
     except ValueError as e:
         parser.error(str(e))
-    api_url = f"http://{HOST}:{args.port}/api"
-    os.environ["PREFECT_API_URL"] = api_url
     os.environ.setdefault("RLHF_PROJECT_DIR", os.getcwd())
     log_path = Path(os.environ["PREFECT_HOME"]) / "server.log"
     server = start_server(args.port, log_path)

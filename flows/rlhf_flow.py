@@ -10,10 +10,10 @@ One run:
      stages whose inputs are unchanged come back from DVC's run-cache instead of running;
   4. `rlhf report` there (data/report/index.html);
   5. `dvc exp save --name <experiment>` there (the report included), and its ref fetched into the project:
-     `dvc exp show` lists the run with its params and metrics; `dvc exp apply <experiment>` brings its outputs
-     into the checkout;
-  6. the run's results as Prefect artifacts, visible in the UI beside its task states: the metrics and the
-     win-rate vs KL frontier as tables, where to find the report;
+     `dvc exp show` lists the run with its params and metrics, `dvc exp diff` compares it;
+  6. the run's results as Prefect artifacts, visible in the UI beside its task states: the headline metrics and
+     the win-rate vs KL frontier as tables, a link to a copy of the report (.cache/reports/<experiment>/), every
+     metric;
   7. the clone is removed (its outputs stay in the shared DVC cache).
 """
 
@@ -34,11 +34,13 @@ from prefect.cache_policies import NONE
 from prefect.runtime import flow_run
 
 from flows.workspace import clone_at_head, run_tool, set_params
-from rlhf.config import load_config
+from rlhf.config import flatten, load_config, profile_note
 from rlhf.presets import PRESETS
+from rlhf.report import named_metrics
 from tasks.stages import Pipeline, run_stage
 
 REPORT = "data/report/index.html"  # written by `rlhf report` (rlhf/report.py)
+EVAL_METRICS = "data/metrics/eval.json"  # the headline results (dvc.yaml's one metrics file)
 TRAINERS: tuple[str, ...] = tuple(PRESETS)
 Trainer = Literal[TRAINERS]  # type: ignore[valid-type]  # a dropdown in the Prefect UI
 
@@ -91,22 +93,62 @@ def write_report(ws: str) -> None:
 
 
 @task(name="artifacts", task_run_name="artifacts", cache_policy=NONE)
-def publish_artifacts(ws: str, name: str, metrics: dict[str, dict]) -> None:
-    """The run's results as Prefect artifacts: every metric and the frontier (data/plots/frontier.csv) as tables,
-    and a note saying where the report is. After `dvc exp save`: they need the API server, the experiment does not."""
+def publish_artifacts(project: str, ws: str, name: str, metrics: dict[str, dict]) -> None:
+    """The run's results as Prefect artifacts, in the order the UI lists them: the headline eval metrics (rounded,
+    each with its meaning), the frontier, the report (a copy kept outside any checkout, linked), every metric.
+    After `dvc exp save`: they need the API server, the experiment does not."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    rows = [{"file": f, "metric": k, "value": v} for f, values in metrics.items() for k, v in sorted(values.items())]
-    create_table_artifact(rows, key="rlhf-metrics", description=f"experiment {name}: the metrics files")
+    cfg = load_config(Path(ws) / "params.yaml")
+    note = f" ({plumbing})" if (plumbing := profile_note(cfg.profile)) else ""
+    headline = headline_table(metrics.get(EVAL_METRICS, {}))
+    what = f"experiment {name}: profile {cfg.profile}, trainer {cfg.train.trainer}{note}"
+    create_table_artifact(headline, key="rlhf-headline", description=f"{what}: the headline results")
     if (frontier := Path(ws) / "data" / "plots" / "frontier.csv").exists():
         with open(frontier, newline="") as f:
-            points = list(csv.DictReader(f))
-        create_table_artifact(points, key="rlhf-frontier", description=f"experiment {name}: win-rate vs KL")
-    note = (
-        f"### Experiment `{name}`\n\nThe report (the frontier, reward/gold/KL over episodes, a step's time by "
-        f"phase, the async timeline) is saved with the experiment: `dvc exp apply {name}`, then open `{REPORT}`."
+            points = [{k: _rounded(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        create_table_artifact(points, key="rlhf-frontier", description=f"{what}: win-rate vs KL, in training order")
+    create_markdown_artifact(_report_note(Path(project), Path(ws), name, plumbing), key="rlhf-report", description=what)
+    rows = [
+        {"file": f, "metric": k, "value": _rounded(v)} for f, vals in metrics.items() for k, v in flatten(vals).items()
+    ]
+    create_table_artifact(rows, key="rlhf-metrics", description=f"{what}: every metric")
+
+
+def headline_table(eval_metrics: dict) -> list[dict[str, str]]:
+    """The headline artifact's rows: eval.json's headline metrics, readable names, 3 significant digits, units."""
+    rows = named_metrics("eval", eval_metrics)
+    return [{"metric": m, "value": v, "unit": unit, "meaning": meaning} for m, v, unit, meaning in rows]
+
+
+def _report_note(project: Path, ws: Path, name: str, plumbing: str | None) -> str:
+    """Markdown: a link to a copy of the run's report under the project's .cache/reports/<experiment>/ (opening it
+    touches no checkout), and how to compare runs without changing the workspace."""
+    text = f"### Experiment `{name}`\n\n"
+    if plumbing:
+        text += f"**{plumbing}.**\n\n"
+    if (ws / REPORT).exists():
+        copy = project / ".cache" / "reports" / name / "index.html"
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ws / REPORT, copy)
+        text += (
+            f"The report (header, headline metrics, the frontier, reward/gold/KL over episodes, step time by phase): "
+            f"[{copy}]({copy.as_uri()}) (a browser may refuse a file link from a web page: paste the path into its "
+            f"address bar). It is also saved in the experiment as `{REPORT}`.\n\n"
+        )
+    return text + (
+        f"Compare runs in the project without touching its workspace: `dvc exp show`, `dvc exp diff {name}`, "
+        f"`dvc plots diff {name}`."
     )
-    create_markdown_artifact(note, key="rlhf-report", description=f"experiment {name}: the report")
+
+
+def _rounded(value):
+    """Numbers to 3 significant digits (CSV cells are strings: converted first), anything else as it is."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return value
+    return int(number) if number.is_integer() and abs(number) < 1e15 else float(f"{number:.3g}")
 
 
 @task(name="dvc exp save", task_run_name="dvc exp save", cache_policy=NONE)
@@ -173,6 +215,6 @@ def rlhf(
             metrics.update(futures[stage].result())  # one stage at a time: the stages share the machine
         write_report(str(ws))
         save_experiment(str(project), str(ws), name, [m for stage in pipeline.order for m in pipeline.metrics[stage]])
-        publish_artifacts(str(ws), name, metrics)
-    logger.info("saved DVC experiment %s: `dvc exp show` lists it, `dvc exp apply %s` checks it out", name, name)
+        publish_artifacts(str(project), str(ws), name, metrics)
+    logger.info("saved DVC experiment %s: `dvc exp show` lists it, `dvc exp diff %s` compares it", name, name)
     return {"experiment": name, "metrics": metrics}

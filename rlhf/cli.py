@@ -153,7 +153,7 @@ def _run(argv: list[str] | None) -> int:
             from rlhf.report import print_report
 
             cfg = load_config(args.params, args.profile)
-            return print_report(cfg)
+            return print_report(cfg, args.params)
         overrides = list(args.overrides)
         if getattr(args, "trainer", None):
             overrides.append(f"train.trainer={args.trainer}")

@@ -511,6 +511,10 @@ def load_config(
         user = _override(user, item)
     if profile is not None and any(parse_override(o)[0] == ["profile"] for o in overrides):
         raise ConfigError("the profile is given twice (--profile and profile=): keep one")
+    return _resolve(user, profile, params_path)
+
+
+def _resolve(user: dict, profile: str | None, params_path: Path) -> Config:
     name = profile or user.pop("profile", None) or "tiny"
     user.pop("profile", None)
     base, per_trainer = _profile(user.pop("profiles", None) or {}, name, params_path)
@@ -521,6 +525,33 @@ def load_config(
         return Config.model_validate(merged)
     except ValidationError as e:
         raise ConfigError(_format_error(e)) from None
+
+
+def changed_settings(params_path: Path | str = DEFAULT_PARAMS, profile: str | None = None) -> dict[str, tuple]:
+    """{dotted key: (the profile's value, the run's value)} for what params.yaml sets on top of its profile and
+    trainer (the profile and the trainer themselves left out: a run names them on their own)."""
+    params_path = Path(params_path)
+    cfg = load_config(params_path, profile)
+    only_profile = {"profiles": _read_params(params_path).get("profiles"), "train": {"trainer": cfg.train.trainer}}
+    base = flatten(_resolve(only_profile, cfg.profile, params_path).model_dump(mode="json"))
+    run = flatten(cfg.model_dump(mode="json"))
+    return {k: (base.get(k), v) for k, v in run.items() if base.get(k) != v and k not in ("profile", "train.trainer")}
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a.b": 1} from {"a": {"b": 1}}."""
+    out = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+PLUMBING_PROFILES = {"ci": "a plumbing check (micro sizes, seconds per stage): its numbers are not meaningful"}
+
+
+def profile_note(profile: str) -> str | None:
+    """One line for a profile whose results must not be read as results (e.g. `profile ci: a plumbing check...`)."""
+    return f"profile {profile}: {PLUMBING_PROFILES[profile]}" if profile in PLUMBING_PROFILES else None
 
 
 def _profile(all_profiles: Any, name: Any, params_path: Path) -> tuple[dict, dict]:

@@ -16,75 +16,134 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
+import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
 
-from rlhf.config import Config
+from rlhf.config import DEFAULT_PARAMS, Config, changed_settings, profile_note
 from rlhf.io import atomic_dir, read_json, write_text
 from rlhf.tracking import log_results
 
-HEADLINES = {
-    "gold": ["accuracy", "verifier_reads_worked_answers"],  # the second: the math task's (rule verifier)
-    "reward": ["agreement_heldout", "n_pairs"],
-    "train": [
-        "first/objective/scores",
-        "final/objective/scores",
-        "first/objective/gold",
-        "final/objective/gold",
-        "final/objective/kl",
-    ],
-    "eval": [
-        "gold/win_rate_vs_sft",
-        "gold/win_rate_vs_reference",
-        "gold/sft_win_rate_vs_reference",
-        "gold/policy",
-        "gold/sft",
-        "accuracy/policy",  # the math task's: exact match, near-greedy
-        "accuracy/sft",
-        "accuracy/gain",
-        "kl/policy_sft_mean",
-        "proxy/policy",
-        "proxy/sft",
-    ],
+# The headline metrics per stage, in the order shown: key -> (readable name, unit, what it means).
+WIN = "share of eval prompts"
+HEADLINES: dict[str, dict[str, tuple[str, str, str]]] = {
+    "gold": {
+        "accuracy": (
+            "gold judge accuracy",
+            "share of pairs",
+            "the gold judge agrees with human labels on held-out pairs",
+        ),
+        "verifier_reads_worked_answers": ("verifier reads answers", "share", "the math rule verifier parses answers"),
+    },
+    "reward": {
+        "agreement_heldout": ("reward model agreement", "share of pairs", "the proxy RM prefers what gold prefers"),
+        "n_pairs": ("preference pairs", "pairs", "pairs the proxy reward model was trained on"),
+    },
+    "train": {
+        "first/objective/scores": ("proxy reward, first batch", "RM score", "the reward model's score at the start"),
+        "final/objective/scores": ("proxy reward, end", "RM score", "the same over the last quarter of training"),
+        "first/objective/gold": ("gold score, first batch", "gold score", "the gold judge's score at the start"),
+        "final/objective/gold": ("gold score, end", "gold score", "the same over the last quarter of training"),
+        "final/objective/kl": ("KL to SFT, end", "nats/sequence", "how far the samples moved from SFT, late"),
+    },
+    "eval": {
+        "gold/win_rate_vs_sft": ("gold win-rate vs SFT", WIN, "gold prefers the policy's answer to SFT's (0.5: even)"),
+        "gold/win_rate_vs_reference": ("gold win-rate vs reference", WIN, "the same against the real continuations"),
+        "gold/sft_win_rate_vs_reference": ("SFT win-rate vs reference", WIN, "SFT's against the real continuations"),
+        "gold/policy": ("gold score, policy", "gold score", "the gold judge's mean score: the true objective"),
+        "gold/sft": ("gold score, SFT", "gold score", "the same for the SFT policy (the start)"),
+        "accuracy/policy": ("accuracy, policy", "share of problems", "exact-match answers (math task)"),
+        "accuracy/sft": ("accuracy, SFT", "share of problems", "the same for the SFT policy"),
+        "accuracy/gain": ("accuracy gain", "share of problems", "policy minus SFT"),
+        "kl/policy_sft_mean": ("KL to SFT", "nats/sequence", "how far the policy moved from SFT: the price paid"),
+        "proxy/policy": ("proxy reward, policy", "RM score", "the learned reward model's score: what was optimised"),
+        "proxy/sft": ("proxy reward, SFT", "RM score", "the same for the SFT policy"),
+        "n_prompts": ("eval prompts", "prompts", "held-out prompts the numbers above are over"),
+    },
 }
+
 # The learner's side of a step (timing/* in train.csv, docs/metrics.md): a synchronous run generates inside it.
 LEARNER_PHASES = ("scoring", "reference", "update", "weight_sync")
 TIMELINE_BATCHES = 8  # the timeline shows batches 2-9: enough to see the overlap, few enough to read it
 ENGINE_PHASES = ("engine_idle", "weight_sync_engine", "generation", "scoring_engine")
 SECTIONS = ("Headline metrics", "Frontier", "Over episodes", "Step time by phase", "Engine and learner timeline")
 STYLE = (
-    "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}td{padding:2px 12px}img{max-width:100%}</style>"
+    "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}td,th{padding:2px 12px;text-align:left}"
+    "img{max-width:100%}</style>"
 )
 
 
-def headline_rows(cfg: Config) -> list[tuple[str, str, str]]:
-    """(stage, metric, value) for each headline metric; (stage, "(not run)", "") for a stage without metrics."""
+def headline_rows(cfg: Config) -> list[tuple[str, str, str, str, str]]:
+    """(stage, name, value, unit, meaning) per headline metric; (stage, "(not run)", "", "", "") for a stage without
+    metrics."""
     rows = []
-    for stage, keys in HEADLINES.items():
+    for stage in HEADLINES:
         path = cfg.path("metrics", f"{stage}.json")
         if not path.exists():
-            rows.append((stage, "(not run)", ""))
+            rows.append((stage, "(not run)", "", "", ""))
             continue
-        metrics = read_json(path)
-        rows += [(stage, key, _format(metrics[key])) for key in keys if key in metrics]
+        rows += [(stage, *row) for row in named_metrics(stage, read_json(path))]
     return rows
 
 
-def print_report(cfg: Config) -> int:
+def named_metrics(stage: str, metrics: dict) -> list[tuple[str, str, str, str]]:
+    """(readable name, value to 3 significant digits, unit, meaning) of `stage`'s headline metrics present."""
+    return [
+        (name, _format(metrics[k]), unit, meaning)
+        for k, (name, unit, meaning) in HEADLINES[stage].items()
+        if k in metrics
+    ]
+
+
+def run_header(cfg: Config, changed: dict[str, tuple] | None = None) -> list[tuple[str, str]]:
+    """(field, value) describing the run: date, commit, profile (and its note), trainer, changed parameters."""
+    header = [
+        ("date", datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")),
+        ("commit", _commit()),
+        ("profile", cfg.profile),
+        ("trainer", cfg.train.trainer),
+    ]
+    if note := profile_note(cfg.profile):
+        header.append(("note", note))
+    if changed is not None:
+        shown = ", ".join(f"{k}={new} (profile: {old})" for k, (old, new) in changed.items())
+        header.append(("changed parameters", shown or "none (the profile's values)"))
+    return header
+
+
+def _commit() -> str:
+    """`git rev-parse --short HEAD`, "+ changes" when tracked code differs from it (params.yaml, dvc.lock and the
+    pipeline's outputs aside: those a run changes, and the parameters are listed on their own)."""
+    git = ["git", "-C", os.getcwd()]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "unknown (not a git checkout)"
+    status = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    changed = [line[3:] for line in status.stdout.splitlines()]
+    ours = [f for f in changed if f not in ("params.yaml", "dvc.lock") and not f.startswith("data/")]
+    return head.stdout.strip() + (" + changes" if ours else "")
+
+
+def print_report(cfg: Config, params: Path | str = DEFAULT_PARAMS) -> int:
+    changed = changed_settings(params, cfg.profile)
+    for field, value in run_header(cfg, changed):
+        print(f"{field}: {value}")
     rows = headline_rows(cfg)
     width = max(len(r[1]) for r in rows)
-    print(f"profile {cfg.profile}, trainer {cfg.train.trainer}")
-    for stage, key, value in rows:
-        print(f"  {stage:<7} {key:<{width}}  {value}")
-    page, charts = write_report(cfg)
+    for stage, name, value, unit, _ in rows:
+        print(f"  {stage:<7} {name:<{width}}  {value} {unit}".rstrip())
+    page, charts = write_report(cfg, changed)
     log_results(cfg, "report", {}, images=charts)
     print(f"report: {page}")
     return 0
 
 
-def write_report(cfg: Config) -> tuple[Path, dict[str, bytes]]:
-    """data/report/index.html; its path and its charts (section title -> PNG)."""
+def write_report(cfg: Config, changed: dict[str, tuple] | None = None) -> tuple[Path, dict[str, bytes]]:
+    """data/report/index.html; its path and its charts (section title -> PNG). `changed`: the parameters set on top
+    of the profile (rlhf.config.changed_settings), listed in the header."""
     steps = _read_csv(cfg.path("plots", "train.csv"))
     frontier = _read_csv(cfg.path("plots", "frontier.csv"))
     charts = {
@@ -99,7 +158,9 @@ def write_report(cfg: Config) -> tuple[Path, dict[str, bytes]]:
         SECTIONS[3]: "run the train stage",
     }
     body = [f"<h1>asyncrlhf: profile {_e(cfg.profile)}, trainer {_e(cfg.train.trainer)}</h1>"]
-    body.append(_section(SECTIONS[0], _table(headline_rows(cfg))))
+    body.append("<table class='header'>" + "".join(_row(f, v, tag="th") for f, v in run_header(cfg, changed)))
+    body.append("</table>")
+    body.append(_section(SECTIONS[0], _table(["stage", "metric", "value", "unit", "meaning"], headline_rows(cfg))))
     for title in SECTIONS[1:4]:
         body.append(_section(title, _img(charts[title]) if charts[title] else f"<p>No data yet: {notes[title]}.</p>"))
     body.append(_section(SECTIONS[4], _timeline_text(steps) + _img(charts[SECTIONS[4]])))
@@ -111,11 +172,15 @@ def write_report(cfg: Config) -> tuple[Path, dict[str, bytes]]:
 
 
 def _frontier_chart(ax, frontier: pd.DataFrame) -> None:
-    ax.plot(frontier["kl"], frontier["win_rate_vs_sft"], marker="o")
-    for _, r in frontier.iterrows():
-        ax.annotate(f"{r['fraction']:.0%}", (r["kl"], r["win_rate_vs_sft"]), textcoords="offset points", xytext=(4, 4))
+    """The points joined in training order (episode), each named in a legend: labels beside the points overlapped."""
+    ordered = frontier.sort_values("episode")
+    ax.plot(ordered["kl"], ordered["win_rate_vs_sft"], color="grey", lw=1, zorder=1)
+    for i, (_, r) in enumerate(ordered.iterrows()):
+        label = f"episode {int(r['episode'])} ({r['fraction']:.0%} of the run)" if r["episode"] else "SFT (episode 0)"
+        ax.scatter(r["kl"], r["win_rate_vs_sft"], color=f"C{i}", zorder=2, label=label)
     ax.axhline(0.5, color="grey", lw=0.8, ls="--")
-    ax.set(xlabel="KL(policy || SFT), nats per sequence", ylabel="gold win-rate vs SFT", title="labels: share of run")
+    ax.set(xlabel="KL(policy || SFT), nats per sequence", ylabel="gold win-rate vs SFT", title="in training order")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def _episodes_chart(axes, steps: pd.DataFrame) -> None:
@@ -203,9 +268,14 @@ def _section(title: str, content: str) -> str:
     return f"<h2>{_e(title)}</h2>{content}"
 
 
-def _table(rows: list[tuple[str, str, str]]) -> str:
-    cells = "".join(f"<tr><td>{_e(s)}</td><td>{_e(k)}</td><td>{_e(v)}</td></tr>" for s, k, v in rows)
-    return f"<table>{cells}</table>"
+def _table(columns: list[str], rows: list[tuple]) -> str:
+    head = "".join(f"<th>{_e(c)}</th>" for c in columns)
+    return f"<table><tr>{head}</tr>{''.join(_row(*r) for r in rows)}</table>"
+
+
+def _row(*cells: str, tag: str = "td") -> str:
+    first, *rest = cells
+    return f"<tr><{tag}>{_e(first)}</{tag}>" + "".join(f"<td>{_e(c)}</td>" for c in rest) + "</tr>"
 
 
 def _read_csv(path) -> pd.DataFrame | None:
@@ -213,7 +283,8 @@ def _read_csv(path) -> pd.DataFrame | None:
 
 
 def _format(value) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    """Three significant digits for a float: what the metrics carry past that is noise."""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
 def _e(text: str) -> str:

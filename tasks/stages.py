@@ -86,12 +86,24 @@ def retry_if_transient(task, task_run, state) -> bool:
     return False
 
 
+# DVC's advice after each `dvc repro`, the same for every stage of every run: left out of the task logs.
+DVC_HINTS = (
+    "To track the changes with git, run:",
+    "git add dvc.lock",
+    "To enable auto staging, run:",
+    "dvc config core.autostage true",
+    "Use `dvc push` to send your updates to remote storage.",
+)
+
+
 def _stream(proc: subprocess.Popen, logger, keep: int = 40) -> str:
-    """Log the command's output line by line; progress bars (\\r updates) log only their last state."""
+    """Log the command's output line by line, without DVC's hints; a progress bar (redrawn with \\r) logs only its
+    last state. Read as bytes: a text stream would turn each \\r into a line of its own."""
     tail: deque[str] = deque(maxlen=keep)
     for raw in proc.stdout:
-        line = raw.rstrip("\n").split("\r")[-1].rstrip()
-        if line:
+        redraws = [part.rstrip() for part in raw.decode(errors="replace").rstrip("\n").split("\r")]
+        line = next((part for part in reversed(redraws) if part), "")
+        if line and line.strip() not in DVC_HINTS:
             logger.info(line)
             tail.append(line)
     return "\n".join(tail)
@@ -115,9 +127,7 @@ def run_stage(stage: str, workspace: str, metrics_files: list[str]) -> dict:
     # `dvc` and the `rlhf` it runs come from this interpreter's environment, whatever PATH the worker had.
     path = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
     env = {**os.environ, "PATH": path, "TQDM_MININTERVAL": os.environ.get("TQDM_MININTERVAL", "10")}
-    proc = subprocess.Popen(
-        cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
-    )
+    proc = subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     tail = _stream(proc, logger)
     if proc.wait() != 0:
         status, transient = classify_failure(tail, proc.returncode)

@@ -117,6 +117,29 @@ def test_retry_condition_uses_transience():
     assert retry_if_transient(None, None, Completed(data=1)) is False
 
 
+def test_stage_log_keeps_a_progress_bars_last_state_and_drops_dvcs_hints():
+    """A real child process writing what `dvc repro` of a stage writes: a tqdm bar redrawn with \\r, DVC's hints."""
+    import logging
+
+    from tasks.stages import _stream
+
+    script = (
+        "import sys; w = sys.stdout.write\n"
+        "w('Running stage train:\\n')\n"
+        "[w(f'\\rtrain: {i}/4') for i in range(5)]; w('\\n')\n"
+        "w('To track the changes with git, run:\\n\\n\\tgit add dvc.lock\\n\\nTo enable auto staging, run:\\n')\n"
+        "w('\\n\\tdvc config core.autostage true\\nUse `dvc push` to send your updates to remote storage.\\n')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    logger = logging.getLogger("stage-log-test")
+    with pytest.MonkeyPatch.context() as mp:
+        logged: list[str] = []
+        mp.setattr(logger, "info", logged.append)
+        _stream(proc, logger)
+    proc.wait()
+    assert logged == ["Running stage train:", "train: 4/4"]
+
+
 # --- the run's parameters --------------------------------------------------------------------------------
 
 
@@ -353,7 +376,7 @@ def served(home, repo):
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.deployments", "--port", str(port)],
         cwd=repo,
-        env=env,
+        env=isolated_env(home),  # no PREFECT_API_URL, as `make serve` starts: the process sets its own
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -452,16 +475,32 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     artifacts = _api(served["api_url"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     by_key = {a["key"]: a for a in artifacts}
     assert {k: by_key[k]["type"] for k in by_key} == {
+        "rlhf-headline": "table",
         "rlhf-metrics": "table",
         "rlhf-frontier": "table",
         "rlhf-report": "markdown",
     }
+    assert sorted(artifacts, key=lambda a: a["created"])[0]["key"] == "rlhf-headline"  # the UI lists it first
+    headline = json.loads(by_key["rlhf-headline"]["data"])
+    assert headline[0]["metric"] == "gold win-rate vs SFT" and set(headline[0]) == {
+        "metric",
+        "value",
+        "unit",
+        "meaning",
+    }
+    assert all(len(row["value"].lstrip("-0.").replace(".", "")) <= 3 for row in headline), headline
+    assert "plumbing check" in by_key["rlhf-headline"]["description"]  # the ci profile's numbers mean nothing
     metrics_table = json.loads(by_key["rlhf-metrics"]["data"])
     assert {"file": "data/metrics/eval.json", "metric": "gold/win_rate_vs_sft"} in [
         {k: row[k] for k in ("file", "metric")} for row in metrics_table
     ]
-    assert [row["episode"] for row in json.loads(by_key["rlhf-frontier"]["data"])] == ["0", "8", "16"]
-    assert "data/report/index.html" in by_key["rlhf-report"]["data"]
+    assert not any(isinstance(row["value"], str) and row["value"].startswith("{") for row in metrics_table)
+    assert [row["episode"] for row in json.loads(by_key["rlhf-frontier"]["data"])] == [0, 8, 16]
+    note = by_key["rlhf-report"]["data"]
+    copy = repo / ".cache" / "reports" / f"ppo-{run['name']}" / "index.html"
+    assert f"]({copy.as_uri()})" in note and copy.is_file() and "dvc exp apply" not in note
+    # quiet logs: DVC's per-stage hints left out
+    assert not any("git add dvc.lock" in entry["message"] for entry in logs)
 
     # The DVC record: `dvc exp show` lists the run with its params and metrics.
     shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
@@ -581,13 +620,17 @@ def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, repo, tmp_pa
 @pytest.mark.slow
 def test_ctrl_c_stops_runner_then_server(served):
     proc = served["proc"]
+    t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to `make serve`'s process group
     assert proc.wait(COMMAND_TIMEOUT) == 0
+    assert time.monotonic() - t0 < 15  # was 68 s: the runner talked to a second, temporary server being torn down
     assert not _healthy(served["api_url"])
     with pytest.raises(ProcessLookupError):
         os.kill(served["server_pid"], 0)
     log = served["log"].read_text()
     assert log.index("Received KeyboardInterrupt") < log.index("stopping the prefect server") < log.index("stopped")
+    assert "Traceback" not in log and "Error" not in log, log[-3000:]
+    assert "temporary server" not in log  # one server: the one `make serve` started
 
 
 def test_deployment_run_without_server_is_prefects_error(tmp_path):

@@ -26,7 +26,7 @@ import pandas as pd
 import torch
 
 from rlhf import runtime
-from rlhf.config import Config
+from rlhf.config import Config, profile_note
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.sampling import sample, stage_engine
 from rlhf.io import atomic_dir, write_json, write_text
@@ -84,6 +84,8 @@ def run(cfg: Config) -> dict:
     else:
         metrics = _write(cfg, prompts, responses, scores, kl, episodes)
     print("evaluate: " + ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "n_prompts"))
+    if note := profile_note(cfg.profile):
+        print(f"evaluate: {note}")
     return metrics
 
 
