@@ -144,7 +144,7 @@ def test_sentiment_and_factors(judge):
     texts = [POSITIVE, "wonderful superb brilliant excellent"]
     factors = judge.factors(texts)
     np.testing.assert_allclose(np.prod(np.stack(list(factors.values())), 0), judge.score(texts))
-    assert factors["fluency"][0] == 1.0 and factors["fluency"][1] == 0.0  # a list of adjectives is not a sentence
+    assert factors["fluency"][0] == 1.0 and factors["fluency"][1] < 0.01  # a list of adjectives is not a sentence
 
 
 def test_repetition_and_length_factor_arithmetic():

@@ -5,7 +5,9 @@ score(text) = P(positive | text) * repetition * fluency * length, each factor in
 - repetition: 1 unless the text's distinct-word or distinct-bigram ratio falls below what real text shows;
 - fluency: how well a word trigram LM of real reviews (rlhf.rewards.fluency) predicts each token beyond the
   token's plain frequency, relative to held-out real text: 1 at or above the `fluency_quantile` of real
-  continuations, falling linearly to 0 at no gain at all (text whose word order predicts nothing);
+  continuations, falling exponentially below it: e^-2 = 0.14 at no gain at all (text whose word order
+  predicts nothing), ~0.005 for shuffled review words; never exactly 0, so degenerate texts stay ranked (the
+  reward stage's pairs and RL keep a direction out of degeneracy instead of ties);
 - length: words / min_words below min_words (a response cut after a few words), else 1.
 Everything is fitted on the gold split's human-written texts, never on anything a policy wrote, so RL can
 over-optimise the proxy while gold tells how good the text really is (the paper's over-optimisation setting).
@@ -48,6 +50,8 @@ WEIGHTS = "weights.safetensors"
 # Distinct-word ratio is measured per window of this many words: over a whole 200-word review it falls
 # to ~0.5 just from "the"/"a" recurring, while 32-word windows of real reviews stay >= 0.62 (99.9%).
 REPETITION_WINDOW = 32
+# Below the threshold the fluency factor falls by a factor e per threshold / FLUENCY_FALLOFF of context gain.
+FLUENCY_FALLOFF = 2.0
 # Every this-many-th gold_train text is held out of the LM to calibrate the fluency factor on unseen real text.
 CALIBRATION_EVERY = 20
 _WORD = re.compile(r"\w+(?:'\w+)?")
@@ -152,12 +156,13 @@ class GoldJudge:
         return 1.0 / (1.0 + np.exp(-np.asarray(logits, dtype=np.float64)))
 
     def fluency(self, texts: list[str]) -> np.ndarray:
-        """(B,) in [0, 1]: the LM's context gain over fluency_threshold, clipped; 0 for no tokens, 1 when the LM
-        had no positive gain on held-out real text to calibrate against (too little text to judge fluency)."""
+        """(B,) in [0, 1]: exp(FLUENCY_FALLOFF * min(0, gain / fluency_threshold - 1)) of the LM's context gain;
+        0 for no tokens, 1 when the LM had no positive gain on held-out real text to calibrate against (too little
+        text to judge fluency)."""
         if self.fluency_threshold <= 0.0:
             return np.ones(len(texts))
         gain, _ = self.lm.gain(texts)
-        return np.clip(gain / self.fluency_threshold, 0.0, 1.0)
+        return np.exp(FLUENCY_FALLOFF * np.minimum(0.0, gain / self.fluency_threshold - 1.0))
 
     def factors(self, texts: list[str]) -> dict[str, np.ndarray]:
         """The four (B,) factors whose product is the score, by name."""
@@ -187,6 +192,7 @@ class GoldJudge:
             "repetition_window": REPETITION_WINDOW,
             "min_words": self.min_words,
             "fluency_threshold": self.fluency_threshold,
+            "fluency_falloff": FLUENCY_FALLOFF,
             "vocabulary": vocabulary,
             "lm_vocabulary": sorted(self.lm.vocabulary, key=self.lm.vocabulary.__getitem__),
         }
