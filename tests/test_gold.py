@@ -80,12 +80,13 @@ def adversarial(held_out: list[str], seed: int = 0) -> dict[str, list[str]]:
 
 
 # Each kind's mean score may be at most this share of the real continuations' median score (measured with the
-# packaged reviews: word salad 0.004, function words 0.000, repeated phrase 0.16, positive list 0.004, truncated 0.14).
+# packaged reviews: word salad 0.018, function words 0.002, repeated phrase 0.16, positive list 0.044, truncated
+# 0.15; the TF-IDF judge alone: 0.99, 1.18, 0.31, 2.0, 0.96).
 MEAN_LIMIT = {
     "word salad": 0.05,
     "function words": 0.05,
     "repeated phrase": 0.3,
-    "positive list": 0.05,
+    "positive list": 0.1,
     "truncated": 0.3,
     "empty": 0.0,
 }
