@@ -76,8 +76,15 @@ class GoldConfig(_Section):
     min_df: int = Field(2, ge=1, description="drop n-grams seen in fewer texts")
     c: float = Field(4.0, gt=0, description="inverse L2 strength of the logistic regression")
     repetition_floor: float = Field(
-        0.6, gt=0, le=1, description="distinct-token ratio below which the score is scaled down"
+        0.6, gt=0, le=1, description="distinct-word ratio (per 32-word window) below which the score is scaled down"
     )
+    bigram_floor: float = Field(
+        0.85, gt=0, le=1, description="distinct-bigram ratio below which the score is scaled down (real text: >= 0.91)"
+    )
+    fluency_quantile: float = Field(
+        0.1, gt=0, lt=1, description="fluency factor is 1 above this quantile of held-out real text's context gain"
+    )
+    min_words: int = Field(8, ge=1, description="a response of fewer words is scaled by words / min_words")
 
 
 class ModelConfig(_Section):

@@ -1,17 +1,29 @@
 """The gold judge: the stand-in for the paper's gold reward model on the offline reviews task.
 
-A TF-IDF (word 1..ngram_max grams) + logistic-regression sentiment classifier fitted on human labels. It
-shares nothing with the policies or the proxy reward model, so RL can over-optimise the proxy while gold
-tells how good the text really is (the paper's over-optimisation setting).
+score(text) = P(positive | text) * repetition * fluency * length, each factor in [0, 1]:
+- P(positive): a TF-IDF (word 1..ngram_max grams) + logistic-regression sentiment classifier of the human labels;
+- repetition: 1 unless the text's distinct-word or distinct-bigram ratio falls below what real text shows;
+- fluency: how well a word trigram LM of real reviews (rlhf.rewards.fluency) predicts each token beyond the
+  token's plain frequency, relative to held-out real text: 1 at or above the `fluency_quantile` of real
+  continuations, falling exponentially below it: e^-2 = 0.14 at no gain at all (text whose word order
+  predicts nothing), ~0.005 for shuffled review words; never exactly 0, so degenerate texts stay ranked (the
+  reward stage's pairs and RL keep a direction out of degeneracy instead of ties);
+- length: words / min_words below min_words (a response cut after a few words), else 1.
+Everything is fitted on the gold split's human-written texts, never on anything a policy wrote, so RL can
+over-optimise the proxy while gold tells how good the text really is (the paper's over-optimisation setting).
 
-score(text) = P(positive | text) * repetition_factor(text), in [0, 1].
+Why a policy cannot win it by degenerating: a bag-of-n-grams classifier alone rewards any text free of negative
+words ("great great great", "of the of the of a of its ,": P(positive) 0.6-0.95). Each way of getting there
+without writing text now costs a factor: repeated words or phrases the repetition factor, shuffled words,
+function-word strings and lists of positive words the fluency factor (their context gain is below zero, where
+real 24-word continuations have 0.7+ at their 10th percentile), few words the length factor, no words all.
+What it still can do: write fluent, generic, positive review prose that ignores the prompt (the judge never
+sees the prompt, so relevance is not judged), pick the words real reviews predict best (bland, formulaic text
+scores as fluent as rich text), or repeat at a distance beyond the 32-word windows. The first is arguably
+the task; the others show up as falling diversity, which the gold score does not measure.
 
-A bag-of-n-grams classifier alone is easy to game: "great great great great" gets P(positive) ~ 0.94. The
-repetition factor pulls such degenerate text toward 0, so reward hacking by repetition shows up as a
-*falling* gold score instead of hiding behind a rising one.
-
-Saved without pickle (a pickle can run code on load): `judge.json` holds the settings and the vocabulary,
-`weights.safetensors` holds idf, coef and intercept. Loading rebuilds the vectorizer from them.
+Saved without pickle (a pickle can run code on load): `judge.json` holds the settings and both vocabularies,
+`weights.safetensors` the classifier's idf, coef and intercept and the LM's n-gram tables.
 """
 
 from __future__ import annotations
@@ -30,13 +42,18 @@ from sklearn.linear_model import LogisticRegression
 from rlhf.config import GoldConfig
 from rlhf.data.schemas import DataError
 from rlhf.io import atomic_dir, write_json
+from rlhf.rewards.fluency import TrigramLM
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the fluency and length factors (the LM's vocabulary and n-gram tables)
 JUDGE_JSON = "judge.json"
 WEIGHTS = "weights.safetensors"
 # Distinct-word ratio is measured per window of this many words: over a whole 200-word review it falls
 # to ~0.5 just from "the"/"a" recurring, while 32-word windows of real reviews stay >= 0.62 (99.9%).
 REPETITION_WINDOW = 32
+# Below the threshold the fluency factor falls by a factor e per threshold / FLUENCY_FALLOFF of context gain.
+FLUENCY_FALLOFF = 2.0
+# Every this-many-th gold_train text is held out of the LM to calibrate the fluency factor on unseen real text.
+CALIBRATION_EVERY = 20
 _WORD = re.compile(r"\w+(?:'\w+)?")
 # Vectorizer settings fixed here (not tuned per run); sublinear tf damps a word repeated many times.
 _VECTORIZER = {
@@ -48,42 +65,63 @@ _VECTORIZER = {
 }
 
 
-def distinct_ratio(text: str, window: int = REPETITION_WINDOW) -> float:
-    """min(distinct-word ratio averaged over `window`-word chunks, distinct-bigram ratio); 0 for no words.
+def distinct_ratios(text: str, window: int = REPETITION_WINDOW) -> tuple[float, float]:
+    """(distinct-word ratio, distinct-bigram ratio), each averaged over `window`-word chunks; (0, 0) for no words.
 
-    Natural review text scores >= 0.62 on 99.9% of reviews; "great great great great great" scores 0.2.
+    Real 24-word review continuations: words >= 0.72 and bigrams >= 0.91 in 99% of them; "great great great
+    great great" has 0.2 and 0.25, a 12-word phrase said twice ~0.5 and ~0.52.
     """
     words = _WORD.findall(text.lower())
     if not words:
-        return 0.0
+        return 0.0, 0.0
     chunks = [words[i : i + window] for i in range(0, len(words), window)]
     unigram = float(np.mean([len(set(c)) / len(c) for c in chunks]))
-    bigrams = list(zip(words, words[1:]))
-    bigram = len(set(bigrams)) / len(bigrams) if bigrams else 1.0
-    return min(unigram, bigram)
+    bigrams = [list(zip(c, c[1:])) for c in chunks if len(c) > 1]
+    bigram = float(np.mean([len(set(b)) / len(b) for b in bigrams])) if bigrams else 1.0
+    return unigram, bigram
 
 
-def repetition_factor(texts: list[str], floor: float) -> np.ndarray:
-    """(B,) in [0, 1]: 1 where distinct_ratio >= floor, else (ratio / floor)**2 (0 for empty text).
+def repetition_factor(texts: list[str], floor: float, bigram_floor: float) -> np.ndarray:
+    """(B,) in [0, 1]: min(1, words / floor, bigrams / bigram_floor)**2 of the distinct ratios (0 for no words).
 
     Squared so that the score drops fast: ratio 0.2 with floor 0.6 keeps 1/9 of P(positive).
     """
-    ratios = np.array([distinct_ratio(t) for t in texts], dtype=np.float64)
-    return np.minimum(1.0, ratios / floor) ** 2
+    ratios = np.array([distinct_ratios(t) for t in texts], dtype=np.float64).reshape(-1, 2)
+    return np.minimum(1.0, np.minimum(ratios[:, 0] / floor, ratios[:, 1] / bigram_floor)) ** 2
+
+
+def length_factor(texts: list[str], min_words: int) -> np.ndarray:
+    """(B,) min(1, words / min_words): a response cut after a few words keeps that share of its score."""
+    return np.minimum(1.0, np.array([len(_WORD.findall(t)) for t in texts], dtype=np.float64) / min_words)
+
+
+def calibration_texts(texts: list[str], window: tuple[int, int], min_words: int) -> list[str]:
+    """Words [start:stop] of each text that has >= start + min_words words: real text cut like a response."""
+    start, stop = window
+    cut = [t.split()[start:stop] for t in texts]
+    return [" ".join(c) for c in cut if len(c) >= min_words]
 
 
 @dataclass(frozen=True)
 class GoldJudge:
-    """Fitted judge. vectorizer: TF-IDF with fixed vocabulary/idf; coef (V,), intercept: the logistic model."""
+    """Fitted judge. vectorizer: TF-IDF with fixed vocabulary/idf; coef (V,), intercept: the logistic model;
+    lm: the fluency LM; fluency_threshold: the context gain at which fluency reaches 1 (0: fluency not judged)."""
 
     vectorizer: TfidfVectorizer
     coef: np.ndarray
     intercept: float
     repetition_floor: float
+    bigram_floor: float
+    min_words: int
+    lm: TrigramLM
+    fluency_threshold: float
 
     @classmethod
-    def fit(cls, texts: list[str], labels: list[int] | np.ndarray, cfg: GoldConfig) -> GoldJudge:
-        """Fit on human labels (1 = positive). texts: N strings; labels: N ints in {0, 1}."""
+    def fit(
+        cls, texts: list[str], labels: list[int] | np.ndarray, cfg: GoldConfig, window: tuple[int, int] = (8, 32)
+    ) -> GoldJudge:
+        """Fit on human labels (1 = positive). texts: N strings; labels: N ints in {0, 1}. The LM learns from all
+        but every CALIBRATION_EVERY-th text; words [window] of those calibrate the fluency factor."""
         labels = np.asarray(labels)
         if len(texts) != len(labels) or len(texts) == 0:
             raise ValueError(f"GoldJudge.fit: {len(texts)} texts and {len(labels)} labels (need equal, > 0)")
@@ -95,35 +133,74 @@ class GoldJudge:
             C=cfg.c, max_iter=2000, solver="liblinear", random_state=0
         )  # fixed: same data -> same bytes
         model.fit(features, labels)
-        return cls(vectorizer, model.coef_[0].astype(np.float64), float(model.intercept_[0]), cfg.repetition_floor)
+        held = np.zeros(len(texts), dtype=bool)
+        held[np.random.default_rng(0).permutation(len(texts))[::CALIBRATION_EVERY]] = True
+        lm = TrigramLM.fit([t for t, h in zip(texts, held) if not h])
+        calibration = calibration_texts([t for t, h in zip(texts, held) if h], window, cfg.min_words)
+        gains = lm.gain(calibration)[0] if calibration else np.zeros(1)
+        threshold = max(float(np.quantile(gains, cfg.fluency_quantile)), 0.0)
+        return cls(
+            vectorizer,
+            model.coef_[0].astype(np.float64),
+            float(model.intercept_[0]),
+            cfg.repetition_floor,
+            cfg.bigram_floor,
+            cfg.min_words,
+            lm,
+            threshold,
+        )
 
     def probability(self, texts: list[str]) -> np.ndarray:
-        """(B,) P(positive) of the classifier alone (no repetition factor)."""
+        """(B,) P(positive) of the classifier alone (no other factor)."""
         logits = self.vectorizer.transform(texts) @ self.coef + self.intercept
         return 1.0 / (1.0 + np.exp(-np.asarray(logits, dtype=np.float64)))
 
+    def fluency(self, texts: list[str]) -> np.ndarray:
+        """(B,) in [0, 1]: exp(FLUENCY_FALLOFF * min(0, gain / fluency_threshold - 1)) of the LM's context gain;
+        0 for no tokens, 1 when the LM had no positive gain on held-out real text to calibrate against (too little
+        text to judge fluency)."""
+        if self.fluency_threshold <= 0.0:
+            return np.ones(len(texts))
+        gain, _ = self.lm.gain(texts)
+        return np.exp(FLUENCY_FALLOFF * np.minimum(0.0, gain / self.fluency_threshold - 1.0))
+
+    def factors(self, texts: list[str]) -> dict[str, np.ndarray]:
+        """The four (B,) factors whose product is the score, by name."""
+        return {
+            "probability": self.probability(texts),
+            "repetition": repetition_factor(texts, self.repetition_floor, self.bigram_floor),
+            "fluency": self.fluency(texts),
+            "length": length_factor(texts, self.min_words),
+        }
+
     def score(self, texts: list[str]) -> np.ndarray:
-        """(B,) gold score in [0, 1] = P(positive) * repetition factor; empty text scores 0."""
+        """(B,) gold score in [0, 1]: the product of the factors; empty text scores 0."""
         texts = list(texts)
         if not texts:
             return np.zeros(0, dtype=np.float64)
-        return self.probability(texts) * repetition_factor(texts, self.repetition_floor)
+        return np.prod(np.stack(list(self.factors(texts).values())), axis=0)
 
     def save(self, folder: Path | str) -> None:
-        """Write judge.json (settings, vocabulary) and weights.safetensors (idf, coef, intercept) atomically."""
+        """Write judge.json (settings, vocabularies) and weights.safetensors (classifier, LM) atomically."""
         vocabulary = self.vectorizer.get_feature_names_out().tolist()  # ordered by column index
         settings = {
             "format": FORMAT_VERSION,
             "ngram_range": list(self.vectorizer.ngram_range),
             "vectorizer": _VECTORIZER,
             "repetition_floor": self.repetition_floor,
+            "bigram_floor": self.bigram_floor,
             "repetition_window": REPETITION_WINDOW,
+            "min_words": self.min_words,
+            "fluency_threshold": self.fluency_threshold,
+            "fluency_falloff": FLUENCY_FALLOFF,
             "vocabulary": vocabulary,
+            "lm_vocabulary": sorted(self.lm.vocabulary, key=self.lm.vocabulary.__getitem__),
         }
         weights = {
             "idf": np.ascontiguousarray(self.vectorizer.idf_, dtype=np.float64),
             "coef": np.ascontiguousarray(self.coef, dtype=np.float64),
             "intercept": np.array([self.intercept], dtype=np.float64),
+            **self.lm.arrays(),
         }
         with atomic_dir(folder) as tmp:
             write_json(tmp / JUDGE_JSON, settings)
@@ -152,6 +229,9 @@ class GoldJudge:
                 **settings["vectorizer"],
             )
             vectorizer.idf_ = idf
+            lm = TrigramLM.from_arrays(settings["lm_vocabulary"], weights)
+            floors = float(settings["repetition_floor"]), float(settings["bigram_floor"]), int(settings["min_words"])
+            threshold = float(settings["fluency_threshold"])
         except (ValueError, KeyError, TypeError, OSError, SafetensorError) as e:  # JSONDecodeError is a ValueError
             raise DataError(f"gold judge in {folder} is corrupt ({type(e).__name__}: {e}); {hint}") from None
-        return cls(vectorizer, coef, float(intercept[0]), float(settings["repetition_floor"]))
+        return cls(vectorizer, coef, float(intercept[0]), *floors, lm, threshold)

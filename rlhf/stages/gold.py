@@ -2,7 +2,9 @@
 
 Outputs: data/gold (judge.json + weights.safetensors, no pickle) and data/metrics/gold.json with
 held-out accuracy of the judge's score (> 0.5 = positive) overall and per source, and of the bare
-classifier (without the repetition factor; the two should agree on real reviews).
+classifier (without the repetition, fluency and length factors; on real reviews they should cost little), and
+the context gain at which the fluency factor reaches 1, calibrated on real text cut as the task's responses are
+(words prompt_words .. prompt_words + reference_words of held-out gold_train texts).
 The math task's judge is the rule verifier (rlhf.rewards.rule): nothing to fit; data/gold then holds rule.json,
 and the metrics how often the verifier reads the right answer back from the task's own worked texts (1.0).
 """
@@ -24,7 +26,8 @@ def run(cfg: Config) -> dict:
     train = load_split(cfg.path("prepared"), "gold_train")
     test = load_split(cfg.path("prepared"), "gold_test")
     start = time.perf_counter()
-    judge = GoldJudge.fit(train["text"].tolist(), train["label"].to_numpy(), cfg.gold)
+    window = (cfg.data.prompt_words, cfg.data.prompt_words + cfg.data.reference_words)
+    judge = GoldJudge.fit(train["text"].tolist(), train["label"].to_numpy(), cfg.gold, window)
     fit_seconds = time.perf_counter() - start
 
     labels = test["label"].to_numpy()
@@ -38,6 +41,7 @@ def run(cfg: Config) -> dict:
         "n_train": len(train),
         "n_test": len(test),
         "n_features": int(len(judge.coef)),
+        "fluency_threshold": round(judge.fluency_threshold, 4),
     }
     # The fit time is printed, not kept: a tracked file that changes with every run hides whether the results did.
     with atomic_dir(cfg.path("gold")) as tmp:  # outputs go together: the metrics are written before the judge moves in
