@@ -19,6 +19,7 @@ runtime.configure_environment()  # torch's settings in pytest_configure: pytest-
 # limit 600 s) and a Prefect server over 2 min to answer (default 120 s); pytest's 900 s per test stops a real hang.
 os.environ.setdefault("RLHF_ENGINE_START_TIMEOUT", "870")
 os.environ.setdefault("RLHF_SERVER_START_TIMEOUT", "600")
+os.environ.setdefault("RLHF_TORCH_THREADS", "1")  # the suite's processes share the cores (runtime.threads_alone)
 
 import pytest  # noqa: E402
 import warm  # noqa: E402

@@ -239,3 +239,17 @@ def test_generate_and_evaluate_sample_with_vllm_as_hf_does(ci_data):
     models = ["policy", "sft", "policy@4"]  # and the policy kept after batch 1 of 2 (train.eval_checkpoints)
     assert list(by_vllm["model"].unique()) == models and metrics["n_prompts"] * 3 == len(by_vllm)
     assert all(math.isfinite(v) for v in metrics.values()), metrics
+
+
+def test_a_stage_alone_takes_a_thread_per_core_unless_told(monkeypatch):
+    """`dvc repro` runs the sft stage alone on its cores (2 threads: 1.7x on the tiny SFT); the suite's processes
+    share theirs, so conftest sets RLHF_TORCH_THREADS=1, which wins; an invalid value names the variable."""
+    from rlhf.runtime import threads_alone
+
+    monkeypatch.delenv("RLHF_TORCH_THREADS")
+    assert threads_alone() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("RLHF_TORCH_THREADS", "1")
+    assert threads_alone() == 1
+    monkeypatch.setenv("RLHF_TORCH_THREADS", "0")
+    with pytest.raises(ValueError, match="RLHF_TORCH_THREADS='0': expected an integer >= 1"):
+        threads_alone()

@@ -53,6 +53,7 @@ def run(cfg: Config) -> dict:
         "n_heldout_texts": len(heldout_seqs),
     }
     if cfg.sft.train:
+        torch.set_num_threads(runtime.threads_alone())  # the stage runs alone: every core it has
         losses = train_causal_lm(model, train_seqs, cfg.sft, cfg.seed, tokenizer.pad_token_id, device, train_prompts)
         tail = losses[-max(1, len(losses) // 10) :]  # last 10% of steps: one step's loss is noisy
         metrics.update(steps=len(losses), train_loss_initial=losses[0], train_loss=sum(tail) / len(tail))
