@@ -80,9 +80,9 @@ def configure_torch() -> None:
 
 def threads_alone() -> int:
     """Torch threads for a process that has its cores to itself (a stage that starts no engine or worker process
-    beside it, as `dvc repro` runs the sft stage): RLHF_TORCH_THREADS when set (the test suite sets 1: its workers
-    share the cores), else one per core this process may use. The `tiny` SFT ran 1.7x faster on 2 threads than on 1
-    (2-core AMD EPYC, AVX-512); two processes sharing two cores want one each (configure_torch's default)."""
+    beside it, as `dvc repro` runs the sft and reward stages): RLHF_TORCH_THREADS when set (the test suite sets 1:
+    its workers share the cores), else one per core this process may use. The `tiny` SFT ran 1.7x faster on 2
+    threads than on 1 (2-core AMD EPYC, AVX-512); two processes sharing two cores want one each (configure_torch)."""
     if os.environ.get("RLHF_TORCH_THREADS"):
         return env_int("RLHF_TORCH_THREADS", 1, minimum=1)
     return len(os.sched_getaffinity(0))

@@ -193,6 +193,8 @@ def run(cfg: Config) -> dict:
         return _no_reward_model(cfg)
     start = time.perf_counter()
     torch.manual_seed(cfg.seed)
+    if cfg.reward.engine == "hf":  # alone on its cores (a vLLM engine in this process binds its own threads)
+        torch.set_num_threads(runtime.threads_alone())
     judge = GoldJudge.load(cfg.path("gold"))
     tokenizer = load_tokenizer(cfg.path("sft"))
     prompts = list(load_split(cfg.path("prepared"), "reward_prompts", Prompts)["prompt"])
