@@ -86,10 +86,11 @@ def retry_if_transient(task, task_run, state) -> bool:
     return False
 
 
-# DVC's advice after each `dvc repro`, the same for every stage of every run: left out of the task logs.
+# DVC's advice after each `dvc repro`, the same for every stage of every run: left out of the task logs. By prefix:
+# the files `git add` names vary (dvc.lock alone, or with the .gitignore files a first run writes).
 DVC_HINTS = (
     "To track the changes with git, run:",
-    "git add dvc.lock",
+    "git add ",
     "To enable auto staging, run:",
     "dvc config core.autostage true",
     "Use `dvc push` to send your updates to remote storage.",
@@ -103,7 +104,7 @@ def _stream(proc: subprocess.Popen, logger, keep: int = 40) -> str:
     for raw in proc.stdout:
         redraws = [part.rstrip() for part in raw.decode(errors="replace").rstrip("\n").split("\r")]
         line = next((part for part in reversed(redraws) if part), "")
-        if line and line.strip() not in DVC_HINTS:
+        if line and not line.strip().startswith(DVC_HINTS):
             logger.info(line)
             tail.append(line)
     return "\n".join(tail)

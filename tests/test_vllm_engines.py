@@ -282,6 +282,36 @@ def test_the_cpu_kv_cache_holds_256_samples_and_never_more_than_a_gib(policy, co
     assert cpu_kv_cache_bytes(tmp_path, 512, "float32") == 2**30
 
 
+def tied_embeddings_alone_reach(engine, policy) -> None:
+    """Only the input embeddings change, and a tied model's output head is the same tensor: an engine that kept
+    its own stale head, or skipped the one name that carries it, would sample from the old head. The training tests
+    above change every weight at once and could not tell."""
+    folder, tok = policy
+    model = loading.load_causal_lm(folder)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    prompts, params = prompt_ids(tok, ["the movie was", "a bad"]), SamplingParams(k=2, max_new_tokens=6, temperature=1)
+
+    def gap(version: int) -> float:
+        """max |engine - learner| log-prob of a batch the engine samples now (with weights `version`)."""
+        engine.submit(prompts, params)
+        gen = engine.receive()
+        assert gen.version == version
+        learner = hf_logprobs(model, prompts, gen.responses, params.k, params.temperature, tok.eos_token_id)
+        return (gen.logprobs - learner).abs().max().item()
+
+    engine.load_weights(model, 20)  # a known start whatever ran before: the folder's weights
+    assert gap(20) <= 2e-4
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(0.5 * torch.randn(model.lm_head.weight.shape))
+    assert gap(20) > 1e-2  # not synced yet: the engine's head is the old one
+    engine.load_weights(model, 21)
+    assert gap(21) <= 2e-4
+
+
+def test_a_tied_models_embeddings_alone_reach_the_colocated_engine(policy, colocated):
+    tied_embeddings_alone_reach(colocated, policy)
+
+
 def test_colocated_close_twice(colocated):
     colocated.close()
     colocated.close()
@@ -405,32 +435,8 @@ def test_async_loop_protocol_staleness_order_and_snapshots(policy, request, name
         assert saved.keys() == states[v].keys() and all(torch.equal(saved[k], states[v][k]) for k in saved)
 
 
-@pytest.mark.parametrize("name", ["colocated", "async1"])
-def test_a_tied_models_embeddings_alone_reach_the_engine(policy, request, name):
-    """Only the input embeddings change, and a tied model's output head is the same tensor: an engine that kept
-    its own stale head, or skipped the one name that carries it, would sample from the old head. The training tests
-    above change every weight at once and could not tell."""
-    folder, tok = policy
-    engine = request.getfixturevalue(name)
-    model = loading.load_causal_lm(folder)
-    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
-    prompts, params = prompt_ids(tok, ["the movie was", "a bad"]), SamplingParams(k=2, max_new_tokens=6, temperature=1)
-
-    def gap(version: int) -> float:
-        """max |engine - learner| log-prob of a batch the engine samples now (with weights `version`)."""
-        engine.submit(prompts, params)
-        gen = engine.receive()
-        assert gen.version == version
-        learner = hf_logprobs(model, prompts, gen.responses, params.k, params.temperature, tok.eos_token_id)
-        return (gen.logprobs - learner).abs().max().item()
-
-    engine.load_weights(model, 20)  # a known start whatever ran before: the folder's weights
-    assert gap(20) <= 2e-4
-    with torch.no_grad():
-        model.model.embed_tokens.weight.add_(0.5 * torch.randn(model.lm_head.weight.shape))
-    assert gap(20) > 1e-2  # not synced yet: the engine's head is the old one
-    engine.load_weights(model, 21)
-    assert gap(21) <= 2e-4
+def test_a_tied_models_embeddings_alone_reach_the_async_engine(policy, async1):
+    tied_embeddings_alone_reach(async1, policy)
 
 
 def test_async_engine_error_is_raised_with_its_text(policy, async1):
