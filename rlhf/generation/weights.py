@@ -31,7 +31,7 @@ def gathered_parameters(model: torch.nn.Module):
     """Under ZeRO-3 each rank holds shards: gather the full weights for the duration of the block.
 
     A collective: every training rank enters it, also those that do not send weights anywhere."""
-    if any(hasattr(p, "ds_id") for p in model.parameters()):
+    if _zero3(model.parameters()):
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
@@ -54,8 +54,9 @@ def full_weights(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
 Entry = tuple[str, str, tuple[int, ...], int]  # (name, dtype name, shape, element count)
 
 
-def _zero3(model: torch.nn.Module) -> bool:
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+def _zero3(params) -> bool:
+    """Some of `params` are ZeRO-3 partitions (DeepSpeed marks them with a ds_id)."""
+    return any(hasattr(p, "ds_id") for p in params)
 
 
 @contextlib.contextmanager
@@ -64,7 +65,7 @@ def weight_stream(model: torch.nn.Module) -> Iterator[tuple[list[Entry], Iterato
     one at a time. Under ZeRO-3 each weight is gathered only while it is read (with its adapters, for a LoRA
     policy's merged weights): peak extra memory one weight and what the consumer keeps of it. A collective: every
     rank iterates all pairs, in order."""
-    if not _zero3(model):
+    if not _zero3(model.parameters()):
         with full_weights(model) as state:
             yield _entries(state), iter(state.items())
         return
@@ -84,7 +85,7 @@ def _gathered_one_by_one(plan) -> Iterator[tuple[str, torch.Tensor]]:
 
     for name, t, layer in plan:
         params = [t, *(lora.layer_parameters(layer) if layer is not None else ())]
-        with deepspeed.zero.GatheredParameters(params, enabled=any(hasattr(p, "ds_id") for p in params)):
+        with deepspeed.zero.GatheredParameters(params, enabled=_zero3(params)):
             yield name, lora.merged_weight(t, layer).detach()
 
 
