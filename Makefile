@@ -84,6 +84,8 @@ gpu-wheels:
 	rm -rf .whl && grep -v '^#' bench/gpu_wheels.txt | xargs $(PYTHON) -m pip download -q --no-deps \
 		--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl
+	$(VENV)/bin/python -m pip wheel -q --no-deps --no-build-isolation -w .whl \
+		deepspeed==$$($(VENV)/bin/python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')
 	@du -sh .whl
 
 chromium:

@@ -3,7 +3,9 @@
 Checks, in order (later ones use what earlier ones wrote):
   a. the `ci` stages end to end on CUDA with the HF engine (prepare, gold, sft, reward, train, generate, evaluate);
   b. PPO, RLOO and online DPO (HF engine) with bf16 mixed precision, gradient checkpointing and LoRA together;
-  c. a random-initialised ~1B Llama (hidden 2048, 16 layers, 32 heads, vocab 32000): bf16-autocast AdamW steps
+  c. PPO under DeepSpeed ZeRO-2 and online DPO under ZeRO-3 (bf16 + LoRA), each as `accelerate launch` of rlhf.cli
+     with configs/zero{2,3}.yaml on the one GPU (DeepSpeed's wheel is built here and carried);
+  d. a random-initialised ~1B Llama (hidden 2048, 16 layers, 32 heads, vocab 32000): bf16-autocast AdamW steps
      (fp32 master weights) at 8 x 512 tokens, without and with gradient checkpointing; and one host-memory weight
      sync of its state dict (GPU -> the project's SharedWeights -> GPU) against a device-to-device copy.
 One line per check: ok/FAIL, seconds, the peak memory of its process (torch.cuda.max_memory_allocated; on the CPU
@@ -40,7 +42,9 @@ STAGES = ("prepare", "gold", "sft", "reward", "train", "generate", "evaluate")
 TRAINERS = ("ppo", "rloo", "online_dpo")
 # b.: every memory-saving path at once, as a GPU user of a larger model would run it
 TRAINER_SETTINGS = ("train.mixed_precision=bf16", "train.gradient_checkpointing=true", "train.lora.rank=4")
-# c.: ~1.0B parameters (TinyLlama's shape with a 32k vocabulary) / a 2-layer 64-wide one for the dry run
+# c.: (trainer, accelerate config, settings) launched as a user launches them
+LAUNCHED = (("ppo", "zero2", ("train.mixed_precision=bf16",)), ("online_dpo", "zero3", TRAINER_SETTINGS[::2]))
+# d.: ~1.0B parameters (TinyLlama's shape with a 32k vocabulary) / a 2-layer 64-wide one for the dry run
 LLAMA_1B = dict(hidden=2048, layers=16, heads=32, vocab=32000, intermediate=5632, batch=8, seq=512, steps=8)
 LLAMA_TINY = dict(hidden=64, layers=2, heads=2, vocab=512, intermediate=128, batch=2, seq=32, steps=2)
 
@@ -60,6 +64,9 @@ def plan(data: Path, dry_run: bool) -> list[Check]:
     for trainer in TRAINERS:
         cli = ["train", "--trainer", trainer, *TRAINER_SETTINGS, *common]
         out.append(Check(f"train {trainer} bf16+ckpt+lora", "stage", {"cli": cli}, 150.0))
+    for trainer, zero, settings in LAUNCHED:
+        cli = ["train", "--trainer", trainer, *settings, *common]
+        out.append(Check(f"launch {trainer} {zero}", "launch", {"zero": zero, "cli": cli}, 180.0))
     shape = LLAMA_TINY if dry_run else LLAMA_1B
     out.append(Check("llama-1b step", "llama_step", {**shape, "ckpt": False}, 150.0))
     out.append(Check("llama-1b step grad-ckpt", "llama_step", {**shape, "ckpt": True}, 150.0))
@@ -120,7 +127,18 @@ def environment(dry_run: bool) -> dict:
 
     import torch
 
-    names = ("torch", "transformers", "accelerate", "peft", "datasets", "pyarrow", "pandas", "pydantic", "pandera")
+    names = (
+        "torch",
+        "transformers",
+        "accelerate",
+        "deepspeed",
+        "peft",
+        "datasets",
+        "pyarrow",
+        "pandas",
+        "pydantic",
+        "pandera",
+    )
     versions = {}
     for name in names:
         try:
@@ -190,12 +208,13 @@ def child_main(func: str, result: Path, args: dict) -> int:
     try:
         figures = CHILDREN[func](device=device, **args)
         error = figures.pop("error", None)  # a check that measured what it could, then found a fault
+        peak = figures.pop("peak", None)  # a check whose GPU work ran in processes of its own measures it itself
     except Exception as e:  # the parent prints one line; the traceback is in the log
         import traceback
 
         traceback.print_exc()
-        figures, error = {}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-    result.write_text(json.dumps({"figures": figures, "error": error, **peak_memory(device)}))
+        figures, error, peak = {}, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200], None
+    result.write_text(json.dumps({"figures": figures, "error": error, **(peak or peak_memory(device))}))
     return 0 if error is None else 1
 
 
@@ -219,6 +238,39 @@ def stage(device, cli: list[str]) -> dict:
         raise RuntimeError(f"rlhf {cli[0]} exited {code} (its error line is in the log)")
     data = Path(next(a for a in cli if a.startswith("data_dir=")).partition("=")[2])
     return stage_figures(data, cli[0])
+
+
+def launch(device, zero: str, cli: list[str]) -> dict:
+    """`accelerate launch --config_file configs/<zero>.yaml --num_processes 1 -m rlhf.cli ... <cli>` as a fresh
+    process; the train figures, and the most GPU memory in use while it ran (nvidia-smi, every 0.5 s)."""
+    import threading
+
+    config = str(ROOT / "configs" / f"{zero}.yaml")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "1"]
+    rlhf = ["-m", "rlhf.cli", "--params", str(ROOT / "params.yaml"), "--profile", "ci", *cli]
+    used, done = [], threading.Event()
+
+    def poll():
+        while device.type == "cuda" and not done.wait(0.5):
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+            )
+            used.extend(int(x) for x in smi.stdout.split() if x.isdigit())
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    watcher.start()
+    try:
+        code = subprocess.run([*launcher, *rlhf], cwd=ROOT).returncode
+    finally:
+        done.set()
+        watcher.join()
+    if code != 0:
+        raise RuntimeError(f"accelerate launch ({zero}) exited {code} (its error line is in the log)")
+    data = Path(next(a for a in cli if a.startswith("data_dir=")).partition("=")[2])
+    peak = {"peak": {"peak_gib": round(max(used) / 1024, 3), "peak_kind": "nvidia-smi, whole GPU"}} if used else {}
+    return {**stage_figures(data, "train"), **peak}
 
 
 def stage_figures(data: Path, name: str) -> dict:
@@ -338,7 +390,7 @@ def weight_sync(device, repeats: int, **shape) -> dict:
     return figures
 
 
-CHILDREN = {"stage": stage, "llama_step": llama_step, "weight_sync": weight_sync}
+CHILDREN = {"stage": stage, "launch": launch, "llama_step": llama_step, "weight_sync": weight_sync}
 
 if __name__ == "__main__":
     sys.exit(main())

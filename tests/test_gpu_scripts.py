@@ -25,7 +25,8 @@ DRY_RUN = ["train ppo bf16+ckpt+lora", "llama-1b step", "llama-1b step grad-ckpt
 def test_gpu_check_plans_the_ci_stages_three_trainers_and_the_llama_checks(tmp_path):
     names = [c.name for c in gpu_check.plan(tmp_path, dry_run=False)]
     assert names[:7] == [f"stage {s}" for s in gpu_check.STAGES]
-    assert names[7:] == [f"train {t} bf16+ckpt+lora" for t in ("ppo", "rloo", "online_dpo")] + DRY_RUN[1:]
+    trainers = [f"train {t} bf16+ckpt+lora" for t in ("ppo", "rloo", "online_dpo")]
+    assert names[7:] == [*trainers, "launch ppo zero2", "launch online_dpo zero3", *DRY_RUN[1:]]
     big = gpu_check.plan(tmp_path, dry_run=False)[-1].args
     assert (big["hidden"], big["layers"], big["heads"], big["vocab"]) == (2048, 16, 32, 32000)
 
