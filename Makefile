@@ -38,7 +38,7 @@ UV_INSTALL = $(UV) pip install $(UV_ARGS) $(foreach d,$(FIND_LINKS),--find-links
 # imports a few thousand): recipes run without a PYTHONDONTWRITEBYTECODE the shell may set.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup run plots test lint gpu-smoke gpu-check gpu-wheels serve deploy worker chromium clean-venv
+.PHONY: setup run offpolicy plots test lint gpu-smoke gpu-check gpu-wheels serve deploy worker chromium clean-venv
 
 setup: $(STAMP)
 
@@ -56,6 +56,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(ENV) dvc repro
 	$(ENV) rlhf report
+
+# The paper's off-policy experiment (its Fig. 3/4) as a grid of DVC experiments, then its table and figures
+# (bench/offpolicy.py; README: "Which algorithm survives off-policy data"). Points already run are kept.
+offpolicy: $(STAMP)
+	$(ENV) dvc repro reward
+	$(ENV) python bench/offpolicy.py queue
+	$(ENV) python bench/offpolicy.py report
 
 # The pipeline's charts as one page, drawn offline: dvc_plots/index.html (open it in a browser). The page template
 # with vega inlined is committed: .dvc/plots_page.html (rlhf/plots_page.py).

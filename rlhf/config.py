@@ -201,6 +201,11 @@ class TrainConfig(_Section):
         1, gt=0, description="M: optimizer steps per generated batch (the paper's off-policy N)"
     )
     num_ppo_epochs: int = Field(1, gt=0, description="E: passes over each generated batch")
+    seed: int | None = Field(
+        None,
+        description="the RL run's own seed (sampling, prompt order, shuffles, LoRA's initialisation); null = the "
+        "top-level seed. Seeds of one RL experiment vary this, so the data, SFT and RM stages are not rebuilt",
+    )
     # --- generation ---
     k: int = Field(2, gt=0, description="samples per prompt (DPO/BoK use best vs worst of k)")
     response_length: int = Field(24, gt=0, description="max new tokens per sample")
@@ -375,6 +380,11 @@ class Config(_Section):
     train: TrainConfig = Field(TrainConfig(), description=TrainConfig.__doc__)
     eval: EvalConfig = Field(EvalConfig(), description=EvalConfig.__doc__)
     tracking: TrackingConfig = Field(TrackingConfig(), description=TrackingConfig.__doc__)
+
+    @property
+    def rl_seed(self) -> int:
+        """The train stage's seed: train.seed, else the top-level one."""
+        return self.seed if self.train.seed is None else self.train.seed
 
     @model_validator(mode="after")
     def _check_task(self) -> Config:

@@ -82,7 +82,7 @@ class Run:
     def __post_init__(self):
         c = self.cfg.train
         self.params = SamplingParams(c.k, c.response_length, c.temperature)
-        self.shuffle = torch.Generator().manual_seed(self.cfg.seed + 7919 * self.acc.process_index)
+        self.shuffle = torch.Generator().manual_seed(self.cfg.rl_seed + 7919 * self.acc.process_index)
         # Outside data/train, which `dvc repro` deletes before running the stage; keyed by the settings, so a
         # changed run never resumes from another one's state.
         self.ckpt_dir = self.cfg.path("checkpoints", f"train-{fingerprint(self.cfg)}")
@@ -99,7 +99,7 @@ class Run:
 
     def prompts_of(self, t: int) -> list[list[int]]:
         """This rank's prompts of generated batch t."""
-        return batch_prompts(self.prompts, t, self.sizes, self.acc.process_index, self.cfg.seed)
+        return batch_prompts(self.prompts, t, self.sizes, self.acc.process_index, self.cfg.rl_seed)
 
 
 def setup(cfg: Config, engine_process=None) -> Run:
@@ -117,7 +117,7 @@ def setup(cfg: Config, engine_process=None) -> Run:
         reward_fn, gold = _setup_reward(cfg, engine_name, reward)
         acc = _setup_accelerator(c)
         sizes = Sizes.derive(c, acc.num_processes)
-        set_seed(cfg.seed + acc.process_index)
+        set_seed(cfg.rl_seed + acc.process_index)
         model = PolicyAndValueWrapper(policy, value) if objective.needs_values else policy
         optimizer, scheduler = _setup_optimization(c, model, sizes)
         model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
@@ -165,7 +165,7 @@ def _setup_models(cfg: Config, needs_values: bool, needs_reference: bool):
             if model is not None:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if c.lora.rank:
-        policy = add_adapters(policy, c.lora, cfg.seed)
+        policy = add_adapters(policy, c.lora, cfg.rl_seed)
         return policy, AdaptersOff(policy), value
     ref = load_causal_lm(cfg.path("sft")).requires_grad_(False) if needs_reference else None
     return policy, ref, value
@@ -261,7 +261,7 @@ def _make_engine(
         cfg.path("sft"),
         tokenizer,
         device=device,
-        seed=cfg.seed,
+        seed=cfg.rl_seed,
         max_model_len=max(map(len, prompts)) + c.response_length,
         work_dir=cfg.path("train", "engine"),
         max_staleness=c.max_staleness,
