@@ -9,13 +9,21 @@ Each point is one `dvc exp run --queue` of the pipeline with `-S` settings, name
 Points already run (an experiment of that name exists) are not queued again, so adding a value to a list below and
 running `make offpolicy` again runs only the new points; `dvc exp show` lists them all.
 
+  python bench/offpolicy.py list               every point's name and settings
   python bench/offpolicy.py queue [--jobs J]   queue the missing points, start J queue workers, wait for them
-  python bench/offpolicy.py report             the table and figures from the experiments (bench/metrics/offpolicy*)
+  python bench/offpolicy.py report             the tables and the figure (bench/metrics/offpolicy.{csv,md,png});
+                                               the figure is also `rlhf report`'s section 6 and a DVC plot
+
+"Robust" is decided by a rule fixed before the grid ran: an algorithm's retention is its gain over SFT at N = 16
+over its gain at N = 1, (win-rate - 0.5) / (win-rate - 0.5), on the final policies, seeds averaged. The paper's
+claim holds here if online DPO's retention is the highest of the four by more than the seeds' spread (the largest
+half-range of any one algorithm's retention over its seeds).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
 import json
 import re
@@ -24,7 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import pandas as pd
+
+ROOT = Path.cwd()  # the DVC project: `make offpolicy` runs in this one; a test runs it in a copy
 ALGORITHMS = ("ppo", "rloo", "online_dpo", "bok")  # bok: best-of-2 SFT, the paper's control for DPO's two samples
 MINI_BATCHES = (1, 4, 16)  # N
 SEEDS = (1, 2)
@@ -53,19 +63,22 @@ def dvc(*args: str, capture: bool = True) -> str:
     """Run `dvc ARGS` in the project; its stdout. A failure ends this script with DVC's own message."""
     proc = subprocess.run(["dvc", *args], cwd=ROOT, capture_output=capture, text=True)
     if proc.returncode != 0:
-        sys.exit(f"offpolicy: `dvc {' '.join(args)}` failed: {(proc.stderr or '').strip().splitlines()[-1:]}")
+        error = " ".join(line.strip() for line in (proc.stderr or "").strip().splitlines()[-4:])
+        sys.exit(f"offpolicy: `dvc {' '.join(args)}` failed: {error}")
     return proc.stdout or ""
 
 
 def experiments() -> dict[str, dict]:
-    """The project's experiments by name: their revision, params and eval metrics (`dvc exp show --json`)."""
+    """The project's finished experiments by name: their revision, params and metrics (`dvc exp show --json`; a
+    queued, running or failed one carries its queue task's state, a finished one none or "success")."""
     out = {}
     for commit in json.loads(dvc("exp", "show", "--json", "--no-fetch") or "[]"):
         for exp in commit.get("experiments") or []:
+            if (exp.get("executor") or {}).get("state", "success") != "success":
+                continue
             for rev in exp.get("revs") or []:
-                data = rev.get("data") or {}
-                if rev.get("name") and data.get("status") == "Success":
-                    out[rev["name"]] = {"rev": rev["rev"], **data}
+                if rev.get("name") and not rev.get("error"):
+                    out[rev["name"]] = {"rev": rev["rev"], **(rev.get("data") or {})}
     return out
 
 
@@ -75,36 +88,128 @@ def queued() -> set[str]:
     return {r.split()[1] for r in rows if re.search(r"\b(Queued|Running)\b", r) and len(r.split()) > 1}
 
 
-def queue(jobs: int) -> int:
+def queue(pts: dict[str, list[str]], jobs: int) -> int:
     """Queue the points not run yet, start `jobs` workers, wait until the queue is empty."""
     done, waiting = set(experiments()), queued()
-    todo = {name: s for name, s in points().items() if name not in done | waiting}
-    print(f"offpolicy: {len(points())} points, {len(done & set(points()))} done, {len(todo)} to queue")
+    todo = {name: s for name, s in pts.items() if name not in done | waiting}
+    print(f"offpolicy: {len(pts)} points, {len(done & set(pts))} done, {len(todo)} to queue")
     for name, settings in todo.items():
-        dvc("exp", "run", "--queue", "--name", name, *itertools.chain.from_iterable(("-S", s) for s in settings))
-    if todo or waiting:
-        dvc("queue", "start", "--jobs", str(jobs))
+        # `++key=value`: set the key whether params.yaml's section has it or not (Hydra's override grammar)
+        dvc("exp", "run", "--queue", "--name", name, *itertools.chain.from_iterable(("-S", f"++{s}") for s in settings))
+    if todo or waiting:  # the workers are daemons: given our stdout, they would hold it open until they end
+        subprocess.run(["dvc", "queue", "start", "--jobs", str(jobs)], cwd=ROOT, stdout=subprocess.DEVNULL, check=True)
     start = time.perf_counter()
     while left := queued():
         print(f"offpolicy: {len(left)} queued or running, {time.perf_counter() - start:.0f} s", flush=True)
         time.sleep(30)
-    failed = [n for n in points() if n not in experiments()]
+    failed = [n for n in pts if n not in experiments()]
     print(f"offpolicy: queue empty after {time.perf_counter() - start:.0f} s; {len(failed)} point(s) failed {failed}")
+    if failed:
+        print(f"offpolicy: `dvc queue logs {failed[0]}` shows why; `make offpolicy` runs only the missing points again")
     return 1 if failed else 0
+
+
+def frontier_rows(exps: dict[str, dict], pts: dict[str, list[str]]) -> pd.DataFrame:
+    """One row per kept policy (data/plots/frontier.csv, read from each experiment's commit) of every finished
+    point, with the point's settings: algorithm, N, S (0 = synchronous), tis_cap, seed."""
+    frames = []
+    for name in (n for n in pts if n in exps):
+        show = subprocess.run(
+            ["git", "show", f"{exps[name]['rev']}:data/plots/frontier.csv"],
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            check=True,
+        )
+        settings = dict(s.split("=", 1) for s in pts[name])
+        frame = pd.read_csv(io.StringIO(show.stdout))
+        frame.insert(0, "point", name)
+        frame.insert(1, "algorithm", settings["train.trainer"])
+        frame.insert(2, "N", int(settings.get("train.num_mini_batches", 1)))
+        asynchronous = settings.get("train.engine") == "vllm_async"
+        frame.insert(3, "S", int(settings["train.max_staleness"]) if asynchronous else 0)
+        frame.insert(4, "tis_cap", float(settings.get("train.tis_cap", "nan")))
+        frame.insert(5, "seed", int(settings["train.seed"]))
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def retention(final: pd.DataFrame) -> pd.DataFrame:
+    """Per algorithm and seed: (win-rate at the largest N - 0.5) / (win-rate at N = 1 - 0.5)."""
+    grid = final[final["S"] == 0].pivot_table(index=["algorithm", "seed"], columns="N", values="win_rate_vs_sft")
+    return ((grid[grid.columns.max()] - 0.5) / (grid[1] - 0.5)).rename("retention").reset_index()
+
+
+def tables(frame: pd.DataFrame) -> str:
+    """The markdown tables: final win-rate (seeds' mean and each seed) and KL per algorithm and N; retention and
+    the verdict; the staleness points."""
+    final = frame[frame["fraction"] == 1.0]
+    sync = final[final["S"] == 0]
+    lines = ["| algorithm | N | win-rate vs SFT (mean) | per seed | KL (mean) |", "|---|---|---|---|---|"]
+    for (algorithm, n), g in sync.groupby(["algorithm", "N"], sort=False):
+        seeds = ", ".join(f"{w:.3f}" for w in g.sort_values("seed")["win_rate_vs_sft"])
+        lines.append(f"| {algorithm} | {n} | {g['win_rate_vs_sft'].mean():.3f} | {seeds} | {g['kl'].mean():.2f} |")
+    kept = retention(final)
+    by_algorithm = kept.groupby("algorithm")["retention"]
+    mean, spread = by_algorithm.mean(), (by_algorithm.max() - by_algorithm.min()).max() / 2
+    largest = sync["N"].max()
+    lines += ["", f"| algorithm | retention N=1 -> N={largest} (mean) | per seed |", "|---|---|---|"]
+    for algorithm, r in mean.sort_values(ascending=False).items():
+        seeds = ", ".join(f"{x:.2f}" for x in kept[kept["algorithm"] == algorithm]["retention"])
+        lines.append(f"| {algorithm} | {r:.2f} | {seeds} |")
+    best, runner_up = mean.sort_values(ascending=False).index[:2]
+    margin = mean[best] - mean[runner_up]
+    holds = best == "online_dpo" and margin > spread
+    lines += [
+        "",
+        f"Most robust here: {best} (ahead of {runner_up} by {margin:.2f}; the seeds' spread {spread:.2f}). "
+        f"The paper's claim (online DPO the most robust) {'holds' if holds else 'does not hold'} by the rule.",
+    ]
+    stale = final[final["S"] > 0]
+    if len(stale):
+        lines += ["", "| asynchronous point | S | TIS cap | win-rate vs SFT | KL |", "|---|---|---|---|---|"]
+        for _, r in stale.iterrows():
+            cap = "-" if pd.isna(r["tis_cap"]) else f"{r['tis_cap']:g}"
+            lines.append(f"| {r['point']} | {r['S']} | {cap} | {r['win_rate_vs_sft']:.3f} | {r['kl']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def report(exps: dict[str, dict], pts: dict[str, list[str]]) -> int:
+    """bench/metrics/offpolicy.csv (every kept policy), offpolicy.md (the tables), offpolicy.png (the figure)."""
+    from rlhf.report import offpolicy_png
+
+    frame = frontier_rows(exps, pts)
+    if frame.empty:
+        sys.exit("offpolicy: no finished point yet: run `make offpolicy` (or `python bench/offpolicy.py queue`)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(OUT / "offpolicy.csv", index=False)
+    text = tables(frame)
+    (OUT / "offpolicy.md").write_text(text)
+    (OUT / "offpolicy.png").write_bytes(offpolicy_png(frame))
+    print(text + f"offpolicy: {frame['point'].nunique()} of {len(pts)} points -> {OUT}/offpolicy.{{csv,md,png}}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
+    listing = sub.add_parser("list", help="every point: its name and its -S settings")
     q = sub.add_parser("queue", help="queue the missing points and run them")
     q.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
-    sub.add_parser("report", help="the table and the figures")
+    r = sub.add_parser("report", help="the table and the figures")
+    for p in (listing, q, r):
+        p.add_argument("--only", help="comma-separated point names (default: every point)")
     args = ap.parse_args(argv)
-    if args.command == "queue":
-        return queue(args.jobs)
-    from offpolicy_report import report
-
-    return report(experiments(), points())
+    pts = points()
+    if args.only:
+        chosen = [n.strip() for n in args.only.split(",")]
+        if unknown := [n for n in chosen if n not in pts]:
+            sys.exit(f"offpolicy: --only: unknown point(s) {unknown}; `python bench/offpolicy.py list` names them")
+        pts = {n: pts[n] for n in chosen}
+    if args.command == "list":
+        print("\n".join(f"{n}: {' '.join(s)}" for n, s in pts.items()))
+        return 0
+    return queue(pts, args.jobs) if args.command == "queue" else report(experiments(), pts)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ page, the charts inlined as PNGs (matplotlib), nothing to serve and nothing fetc
   4. a training step's time by phase, per batch (stacked bars)
   5. async runs: the engine's and the learner's time per batch side by side, and the share of the engine's work
      the learner never waited for
+  6. the off-policy grid (`make offpolicy`, bench/metrics/offpolicy.csv): win-rate vs KL per algorithm, a colour per N
 A section whose data is missing (a stage not run yet, a synchronous run) says so instead of a chart.
 """
 
@@ -69,7 +70,15 @@ HEADLINES: dict[str, dict[str, tuple[str, str, str]]] = {
 LEARNER_PHASES = ("scoring", "reference", "update", "weight_sync")
 TIMELINE_BATCHES = 8  # the timeline shows batches 2-9: enough to see the overlap, few enough to read it
 ENGINE_PHASES = ("engine_idle", "weight_sync_engine", "generation", "scoring_engine")
-SECTIONS = ("Headline metrics", "Frontier", "Over episodes", "Step time by phase", "Engine and learner timeline")
+SECTIONS = (
+    "Headline metrics",
+    "Frontier",
+    "Over episodes",
+    "Step time by phase",
+    "Engine and learner timeline",
+    "Off-policy grid (make offpolicy)",
+)
+OFFPOLICY_CSV = Path(__file__).resolve().parent.parent / "bench" / "metrics" / "offpolicy.csv"
 STYLE = (
     "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}td,th{padding:2px 12px;text-align:left}"
     "img{max-width:100%}</style>"
@@ -151,6 +160,7 @@ def write_report(cfg: Config, changed: dict[str, tuple] | None = None) -> tuple[
         SECTIONS[2]: _png(_episodes_chart, steps, panels=3),
         SECTIONS[3]: _png(_phases_chart, steps),
         SECTIONS[4]: _png(_timeline_chart, _async_only(steps)),
+        SECTIONS[5]: offpolicy_png(_read_csv(OFFPOLICY_CSV)),
     }
     notes = {
         SECTIONS[1]: "run the evaluate stage",
@@ -164,6 +174,8 @@ def write_report(cfg: Config, changed: dict[str, tuple] | None = None) -> tuple[
     for title in SECTIONS[1:4]:
         body.append(_section(title, _img(charts[title]) if charts[title] else f"<p>No data yet: {notes[title]}.</p>"))
     body.append(_section(SECTIONS[4], _timeline_text(steps) + _img(charts[SECTIONS[4]])))
+    grid = "<p>Not run yet: `make offpolicy` (README: which algorithm survives off-policy data).</p>"
+    body.append(_section(SECTIONS[5], _img(charts[SECTIONS[5]]) if charts[SECTIONS[5]] else grid))
     page = f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>asyncrlhf report</title>{STYLE}</head>"
     page += f"<body>{''.join(body)}</body></html>\n"
     with atomic_dir(cfg.path("report")) as tmp:
@@ -181,6 +193,29 @@ def _frontier_chart(ax, frontier: pd.DataFrame) -> None:
     ax.axhline(0.5, color="grey", lw=0.8, ls="--")
     ax.set(xlabel="KL(policy || SFT), nats per sequence", ylabel="gold win-rate vs SFT", title="in training order")
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def offpolicy_png(grid: pd.DataFrame | None) -> bytes | None:
+    """The paper's Fig. 4 layout: a panel per algorithm, gold win-rate vs SFT against KL at the kept policies of the
+    synchronous grid points, a colour per N (mini-batches per generated batch), a line per seed in training order."""
+    sync = grid[grid["S"] == 0] if grid is not None and "S" in grid else None
+    if sync is None or sync.empty:
+        return None
+    algorithms = list(dict.fromkeys(sync["algorithm"]))
+    colours = {n: f"C{i}" for i, n in enumerate(sorted(sync["N"].unique()))}
+
+    def draw(axes, frame):
+        for ax, algorithm in zip(axes if len(algorithms) > 1 else [axes], algorithms):
+            for (n, _), run in frame[frame["algorithm"] == algorithm].groupby(["N", "seed"]):
+                run = run.sort_values("episode")
+                label = f"N = {n}"
+                label = None if label in ax.get_legend_handles_labels()[1] else label  # one entry per N, not per seed
+                ax.plot(run["kl"], run["win_rate_vs_sft"], "o-", color=colours[n], ms=3, lw=1, label=label)
+            ax.axhline(0.5, color="grey", lw=0.8, ls="--")
+            ax.set(title=algorithm, xlabel="KL(policy || SFT)", ylabel="gold win-rate vs SFT")
+        (axes[-1] if len(algorithms) > 1 else axes).legend(fontsize="small", loc="lower right")
+
+    return _png(draw, sync, panels=len(algorithms))
 
 
 def _episodes_chart(axes, steps: pd.DataFrame) -> None:
