@@ -41,6 +41,7 @@ SEEDS = (1, 2)
 STALENESS = (1, 2, 4)  # S, the asynchronous engine's lookahead
 ASYNC_ALGORITHMS = ("online_dpo", "rloo")
 TIS_CAP = 2.0  # truncation of the per-sequence importance weight pi_learner / pi_engine (rlhf/trainers/loop.py)
+MIN_GAIN = 0.02  # a win-rate vs SFT at N = 1 within this of 0.5 is no gain: its retention is undefined
 PREFIX = "op"  # experiment names: op-<algorithm>-n<N>-s<seed>, op-async-<algorithm>-S<S>[-tis]-s<seed>
 OUT = ROOT / "bench" / "metrics"
 
@@ -135,9 +136,11 @@ def frontier_rows(exps: dict[str, dict], pts: dict[str, list[str]]) -> pd.DataFr
 
 
 def retention(final: pd.DataFrame) -> pd.DataFrame:
-    """Per algorithm and seed: (win-rate at the largest N - 0.5) / (win-rate at N = 1 - 0.5)."""
+    """Per algorithm and seed: (win-rate at the largest N - 0.5) / (win-rate at N = 1 - 0.5); NaN where N = 1 gained
+    no more than MIN_GAIN over SFT."""
     grid = final[final["S"] == 0].pivot_table(index=["algorithm", "seed"], columns="N", values="win_rate_vs_sft")
-    return ((grid[grid.columns.max()] - 0.5) / (grid[1] - 0.5)).rename("retention").reset_index()
+    gain = (grid[1] - 0.5).where(grid[1] - 0.5 > MIN_GAIN)  # no gain at N = 1: nothing to retain (NaN)
+    return ((grid[grid.columns.max()] - 0.5) / gain).rename("retention").reset_index()
 
 
 def tables(frame: pd.DataFrame) -> str:
@@ -149,7 +152,7 @@ def tables(frame: pd.DataFrame) -> str:
     for (algorithm, n), g in sync.groupby(["algorithm", "N"], sort=False):
         seeds = ", ".join(f"{w:.3f}" for w in g.sort_values("seed")["win_rate_vs_sft"])
         lines.append(f"| {algorithm} | {n} | {g['win_rate_vs_sft'].mean():.3f} | {seeds} | {g['kl'].mean():.2f} |")
-    kept = retention(final)
+    kept = retention(final).dropna()
     by_algorithm = kept.groupby("algorithm")["retention"]
     mean, spread = by_algorithm.mean(), (by_algorithm.max() - by_algorithm.min()).max() / 2
     largest = sync["N"].max()
@@ -157,14 +160,7 @@ def tables(frame: pd.DataFrame) -> str:
     for algorithm, r in mean.sort_values(ascending=False).items():
         seeds = ", ".join(f"{x:.2f}" for x in kept[kept["algorithm"] == algorithm]["retention"])
         lines.append(f"| {algorithm} | {r:.2f} | {seeds} |")
-    best, runner_up = mean.sort_values(ascending=False).index[:2]
-    margin = mean[best] - mean[runner_up]
-    holds = best == "online_dpo" and margin > spread
-    lines += [
-        "",
-        f"Most robust here: {best} (ahead of {runner_up} by {margin:.2f}; the seeds' spread {spread:.2f}). "
-        f"The paper's claim (online DPO the most robust) {'holds' if holds else 'does not hold'} by the rule.",
-    ]
+    lines += ["", verdict(mean, spread)]
     stale = final[final["S"] > 0]
     if len(stale):
         lines += ["", "| asynchronous point | S | TIS cap | win-rate vs SFT | KL |", "|---|---|---|---|---|"]
@@ -172,6 +168,19 @@ def tables(frame: pd.DataFrame) -> str:
             cap = "-" if pd.isna(r["tis_cap"]) else f"{r['tis_cap']:g}"
             lines.append(f"| {r['point']} | {r['S']} | {cap} | {r['win_rate_vs_sft']:.3f} | {r['kl']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def verdict(mean: pd.Series, spread: float) -> str:
+    """The rule fixed in advance (module docstring), applied to each algorithm's mean retention."""
+    if len(mean) < 2:
+        return "No verdict: it needs two or more algorithms run at N = 1 and at the largest N."
+    best, runner_up = mean.sort_values(ascending=False).index[:2]
+    margin = mean[best] - mean[runner_up]
+    holds = best == "online_dpo" and margin > spread
+    return (
+        f"Most robust here: {best} (ahead of {runner_up} by {margin:.2f}; the seeds' spread {spread:.2f}). "
+        f"The paper's claim (online DPO the most robust) {'holds' if holds else 'does not hold'} by the rule."
+    )
 
 
 def report(exps: dict[str, dict], pts: dict[str, list[str]]) -> int:

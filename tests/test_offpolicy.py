@@ -70,18 +70,18 @@ def test_points_run_through_the_dvc_queue_once_and_reach_the_tables(tmp_path, dv
     params.write_text(re.sub(r"^profile: \S+", "profile: ci", params.read_text(), count=1, flags=re.M))
     run_ok(["git", "commit", "-qam", "ci profile"], repo, env)
     script = [sys.executable, str(ROOT / "bench" / "offpolicy.py")]
-    only = ["--only", "op-online_dpo-n1-s1,op-online_dpo-n4-s1"]
+    only = ["--only", "op-online_dpo-n4-s1"]  # one point: the whole pipeline runs in it (~1 min)
     first = run_ok([*script, "queue", "--jobs", "1", *only], repo, env)
-    assert "2 points, 0 done, 2 to queue" in first and "0 point(s) failed" in first
+    assert "1 points, 0 done, 1 to queue" in first and "0 point(s) failed" in first
     again = run_ok([*script, "queue", *only], repo, env)  # a point that ran is not queued twice
-    assert "2 points, 2 done, 0 to queue" in again
+    assert "1 points, 1 done, 0 to queue" in again
     shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
     names = {r["name"] for c in shown for e in c.get("experiments") or [] for r in e["revs"]}
-    assert {"op-online_dpo-n1-s1", "op-online_dpo-n4-s1"} <= names
+    assert "op-online_dpo-n4-s1" in names
     report = run_ok([*script, "report", *only], repo, env)
-    assert "| online_dpo | 4 |" in report and "2 of 2 points" in report
+    assert "| online_dpo | 4 |" in report and "1 of 1 points" in report and "No verdict" in report
     frame = pd.read_csv(repo / "bench" / "metrics" / "offpolicy.csv")
-    assert set(frame["N"]) == {1, 4} and (frame["fraction"] == 1.0).sum() == 2
+    assert set(frame["N"]) == {4} and set(frame["seed"]) == {1} and (frame["fraction"] == 1.0).sum() == 1
     assert frame["win_rate_vs_sft"].between(0, 1).all()
     assert (repo / "bench" / "metrics" / "offpolicy.png").read_bytes()[:4] == b"\x89PNG"
     assert subprocess.run([*script, "queue", "--only", "op-nope"], cwd=repo, env=env).returncode != 0
