@@ -213,6 +213,8 @@ def offpolicy_png(grid: pd.DataFrame | None) -> bytes | None:
                 ax.plot(run["kl"], run["win_rate_vs_sft"], "o-", color=colours[n], ms=3, lw=1, label=label)
             ax.axhline(0.5, color="grey", lw=0.8, ls="--")
             ax.set(title=algorithm, xlabel="KL(policy || SFT)", ylabel="gold win-rate vs SFT")
+            # one scale in every panel: the panels are compared with each other
+            ax.set(xlim=(-0.5, frame["kl"].max() * 1.05 + 0.5), ylim=(0.45, frame["win_rate_vs_sft"].max() + 0.03))
         (axes[-1] if len(algorithms) > 1 else axes).legend(fontsize="small", loc="lower right")
 
     return _png(draw, sync, panels=len(algorithms))

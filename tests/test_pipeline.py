@@ -102,6 +102,45 @@ def test_metrics_files_have_their_keys_and_sane_values(repo):
     assert (repo / "data" / "train" / "frontier" / "episode-0000008" / "model.safetensors").is_file()
 
 
+def test_the_metrics_are_what_the_saved_samples_and_scores_give(repo):
+    """eval.json, frontier.csv and train.json recomputed here, independently, from what the stages saved: the
+    responses (data/generations), their per-prompt scores (data/eval/results) and the per-batch rows (train.csv);
+    the gold scores re-scored by the saved judge. A metric computed from the wrong model's rows, a win-rate that
+    counts ties as wins, or a judge that is not the saved one fails here."""
+    import pandas as pd
+
+    from rlhf.data.schemas import EvalResults, Generations
+    from rlhf.data.splits import load_split
+    from rlhf.rewards.gold import GoldJudge
+
+    ev = json.loads((repo / "data" / "metrics" / "eval.json").read_text())
+    results = load_split(repo / "data" / "eval", "results", EvalResults)
+    by = {m: g.sort_values("prompt_id").reset_index(drop=True) for m, g in results.groupby("model")}
+    policy, sft = by["policy"], by["sft"]
+    assert list(policy["prompt_id"]) == list(sft["prompt_id"]) and ev["n_prompts"] == len(policy)
+    ties = (policy["gold"] == sft["gold"]).mean()
+    assert ev["gold/win_rate_vs_sft"] == pytest.approx((policy["gold"] > sft["gold"]).mean() + 0.5 * ties)
+    assert ev["gold/policy"] == pytest.approx(policy["gold"].mean()) and ev["gold/sft"] == pytest.approx(
+        sft["gold"].mean()
+    )
+    assert ev["kl/policy_sft_mean"] == pytest.approx(policy["kl"].mean()) and (sft["kl"] == 0).all()
+    assert ev["proxy/policy"] == pytest.approx(policy["proxy"].mean())
+    generations = load_split(repo / "data" / "generations", "eval", Generations)
+    judge = GoldJudge.load(repo / "data" / "gold")
+    for model, scored in by.items():
+        texts = generations[generations["model"] == model].set_index("prompt_id").loc[scored["prompt_id"], "response"]
+        assert judge.score(list(texts)) == pytest.approx(scored["gold"].to_numpy(), abs=1e-6), model
+    frontier = pd.read_csv(repo / "data" / "plots" / "frontier.csv").set_index("episode")
+    kept = by["policy@8"]
+    assert frontier.loc[8, "gold"] == pytest.approx(kept["gold"].mean())
+    assert frontier.loc[8, "kl"] == pytest.approx(kept["kl"].mean())
+    rows = pd.read_csv(repo / "data" / "plots" / "train.csv")
+    train = json.loads((repo / "data" / "metrics" / "train.json").read_text())
+    last = rows.iloc[len(rows) - max(1, len(rows) // 4) :]
+    assert train["final/objective/scores"] == pytest.approx(last["objective/scores"].mean())
+    assert train["first/objective/scores"] == pytest.approx(rows["objective/scores"].iloc[0])
+
+
 def test_a_second_repro_changes_nothing(repo):
     out = sh("dvc", "repro", cwd=repo).stdout
     assert "didn't change, skipping" in out and "Running stage" not in out
