@@ -75,9 +75,19 @@ def _is_cpu_move(func, args, kwargs) -> bool:
 
 
 class DeviceAudit(TorchFunctionMode):
+    """Audits every torch op; `on_device` counts the ops that ran on the training device: a run whose tensors never
+    reached it (the device setting ignored, everything on the CPU) would pass the audit with none."""
+
+    device = torch.device("meta")
+
+    def __init__(self):
+        super().__init__()
+        self.on_device = 0
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        self.on_device += any(t.is_meta for t in tensors)
         if func is torch.Tensor.numpy and tensors[0].is_meta:  # as CUDA does: numpy() reads host memory only
             raise DeviceMismatch(f"numpy() of a tensor on the device (call .cpu() first) at {_where()}")
         if func in _TO_PYTHON and tensors and tensors[0].is_meta:
@@ -100,15 +110,16 @@ class DeviceAudit(TorchFunctionMode):
 
 @contextlib.contextmanager
 def training_device_elsewhere():
-    """The training device is `meta` (accelerate's), the default device the CPU, every op audited."""
+    """The training device is `meta` (accelerate's), the default device the CPU, every op audited: yields the
+    DeviceAudit (its `device`, and `on_device`, the count of ops that ran there)."""
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     before = os.environ.get("ACCELERATE_TORCH_DEVICE")
     os.environ["ACCELERATE_TORCH_DEVICE"] = "meta"
     try:
-        with DeviceAudit():
-            yield torch.device("meta")
+        with DeviceAudit() as audit:
+            yield audit
     finally:
         if before is None:
             os.environ.pop("ACCELERATE_TORCH_DEVICE", None)

@@ -26,21 +26,32 @@ HF = [(name,) for name, p in sorted(PRESETS.items()) if p.engine == "hf"] + [
 
 def test_the_guard_catches_a_tensor_left_on_the_cpu():
     model = torch.nn.Linear(4, 2)
-    with training_device_elsewhere() as device:
+    with training_device_elsewhere() as audit:
+        device = audit.device
         model.to(device)
         with pytest.raises(DeviceMismatch, match="linear mixes tensors on \\['cpu', 'meta'\\]"):
             model(torch.ones(3, 4))
         emb = torch.nn.Embedding(8, 4).to(device)
         with pytest.raises(DeviceMismatch, match="embedding"):  # meta alone returns garbage here, silently
             emb(torch.tensor([1, 2]))
-        assert model(torch.ones(3, 4, device=device)).device == device
+        assert model(torch.ones(3, 4, device=device)).device == device and audit.on_device > 0
 
 
 @pytest.mark.parametrize("settings", HF, ids="+".join)
 def test_the_loop_keeps_every_tensor_on_the_training_device(ci_data, settings):
     trainer, *extra = settings
-    with training_device_elsewhere():
-        train(ci_config(ci_data, f"train.trainer={trainer}", "train.total_episodes=16", "train.save_every=1", *extra))
+    with training_device_elsewhere() as audit:
+        final = train(
+            ci_config(ci_data, f"train.trainer={trainer}", "train.total_episodes=16", "train.save_every=1", *extra)
+        )
+    assert_ran_on_the_device(final, audit)
+
+
+def assert_ran_on_the_device(final: dict, audit) -> None:
+    """The run went to its end, and its models and batches were on the training device: 5,000-11,000 ops there
+    (ci, 16 episodes); with the device setting ignored, 552 (transformers builds models on `meta` before loading)."""
+    assert final["episodes"] == 16 and final["optimizer_steps"] > 0, final
+    assert audit.on_device > 2500, audit.on_device
 
 
 VLLM = [
@@ -56,8 +67,11 @@ def test_the_loop_with_a_vllm_engine_keeps_every_tensor_on_the_training_device(c
     """The weight sync paths: colocated, vLLM in this process reads the weights moved to its device; async, they
     are copied into host memory for the engine process (checkpoints included)."""
     trainer, *extra = settings
-    with training_device_elsewhere():
-        train(ci_config(ci_data, f"train.trainer={trainer}", "train.total_episodes=16", "train.save_every=1", *extra))
+    with training_device_elsewhere() as audit:
+        final = train(
+            ci_config(ci_data, f"train.trainer={trainer}", "train.total_episodes=16", "train.save_every=1", *extra)
+        )
+    assert_ran_on_the_device(final, audit)
 
 
 def test_the_stages_put_their_models_and_batches_on_the_device(ci_data):
@@ -76,7 +90,8 @@ def test_the_stages_put_their_models_and_batches_on_the_device(ci_data):
         pairs[f"{side}_ids"] = tokenizer(list(pairs[side]), add_special_tokens=False)["input_ids"]
     pairs["prompt_ids"] = encode_prompts(tokenizer, list(pairs["prompt"]), cfg.data.chat_template)
     pairs = pairs[[len(c) > 0 and len(r) > 0 for c, r in zip(pairs["chosen_ids"], pairs["rejected_ids"])]]
-    with training_device_elsewhere() as device:
+    with training_device_elsewhere() as audit:
+        device = audit.device
         prompts = list(load_split(ci_data / "prepared", "reward_prompts")["prompt"])[:8]
         sampled = reward.sample_pairs(cfg, load_causal_lm(ci_data / "sft").to(device), tokenizer, prompts, device)
         assert len(sampled) == len(prompts)
@@ -85,7 +100,8 @@ def test_the_stages_put_their_models_and_batches_on_the_device(ci_data):
         reward.agreement(rm, tokenizer, pairs, 16, device)
         train(ci_config(ci_data, "train.total_episodes=8", "train.per_device_train_batch_size=2"))
         generate.run(cfg)
-        evaluate.run(cfg)
+        metrics = evaluate.run(cfg)
+    assert metrics["n_prompts"] == len(load_split(ci_data / "prepared", "eval_prompts")) and audit.on_device > 1000
 
 
 def test_the_sft_stage_trains_on_the_device(ci_data, tmp_path):
@@ -94,8 +110,9 @@ def test_the_sft_stage_trains_on_the_device(ci_data, tmp_path):
     data = tmp_path / "sft_run"
     data.mkdir()
     (data / "prepared").symlink_to(ci_data / "prepared")
-    with training_device_elsewhere():
-        sft.run(ci_config(data))
+    with training_device_elsewhere() as audit:
+        metrics = sft.run(ci_config(data))
+    assert "heldout_loss" in metrics and audit.on_device > 1000, (metrics, audit.on_device)  # meta holds no values
 
 
 def test_the_async_engine_scores_and_computes_the_reference_on_its_device(ci_data):
@@ -114,7 +131,8 @@ def test_the_async_engine_scores_and_computes_the_reference_on_its_device(ci_dat
     spec = EngineSpec(str(ci_data / "sft"), **ids, seed=0, max_model_len=64, reward=reward, reference=reference)
     prompts = [tokenizer("the film was")["input_ids"], tokenizer("a")["input_ids"]]
     responses = torch.randint(4, 40, (4, 6))  # 2 prompts x k=2, in host memory as vLLM returns them
-    with training_device_elsewhere() as device:
+    with training_device_elsewhere() as audit:
+        device = audit.device
         scores, refs = Scorer(spec, device)(prompts, responses, SamplingParams(2, 6, 0.7), parts=[1, 1])
     assert scores.shape == (4,) and refs.shape == (4, 6)
 
