@@ -220,8 +220,8 @@ def test_generate_and_evaluate_sample_with_vllm_as_hf_does(ci_data):
     generate.run(ci_config(ci_data, "eval.engine=vllm"))
     by_vllm = load_split(ci_data / "generations", "eval", Generations)
     assert list(by_vllm["model"]) == list(by_hf["model"]) and list(by_vllm["prompt"]) == list(by_hf["prompt"])
-    same = (by_vllm["response"] == by_hf["response"]).mean()
-    assert same >= 0.8, same
+    differ = int((by_vllm["response"] != by_hf["response"]).sum())  # 0 of 48 when measured (ci, 2026-11-27)
+    assert differ <= 1, f"{differ} of {len(by_hf)} responses differ"
     shutil.rmtree(ci_data / "generations")  # sampled at temperature 1, the micro model says something
     generate.run(ci_config(ci_data, "eval.engine=vllm", "eval.temperature=1.0"))
     sampled = load_split(ci_data / "generations", "eval", Generations)
