@@ -148,10 +148,17 @@ def tables(frame: pd.DataFrame) -> str:
     the verdict; the staleness points."""
     final = frame[frame["fraction"] == 1.0]
     sync = final[final["S"] == 0]
-    lines = ["| algorithm | N | win-rate vs SFT (mean) | per seed | KL (mean) |", "|---|---|---|---|---|"]
+    first = frame[(frame["S"] == 0) & (frame["fraction"] > 0)].groupby("point")["fraction"].transform("min")
+    early = frame[(frame["S"] == 0) & (frame["fraction"] > 0)][lambda f: f["fraction"] == first]  # first kept policy
+    head = "| algorithm | N | win-rate vs SFT (mean) | per seed | KL (mean) | first kept policy: win-rate, KL |"
+    lines = [head, "|---|---|---|---|---|---|"]
     for (algorithm, n), g in sync.groupby(["algorithm", "N"], sort=False):
         seeds = ", ".join(f"{w:.3f}" for w in g.sort_values("seed")["win_rate_vs_sft"])
-        lines.append(f"| {algorithm} | {n} | {g['win_rate_vs_sft'].mean():.3f} | {seeds} | {g['kl'].mean():.2f} |")
+        e = early[(early["algorithm"] == algorithm) & (early["N"] == n)]
+        start = f"{e['win_rate_vs_sft'].mean():.3f}, {e['kl'].mean():.2f} ({e['fraction'].min():.0%})"
+        lines.append(
+            f"| {algorithm} | {n} | {g['win_rate_vs_sft'].mean():.3f} | {seeds} | {g['kl'].mean():.2f} | {start} |"
+        )
     kept = retention(final).dropna()
     by_algorithm = kept.groupby("algorithm")["retention"]
     mean, spread = by_algorithm.mean(), (by_algorithm.max() - by_algorithm.min()).max() / 2
