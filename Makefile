@@ -38,7 +38,7 @@ UV_INSTALL = $(UV) pip install $(UV_ARGS) $(foreach d,$(FIND_LINKS),--find-links
 # imports a few thousand): recipes run without a PYTHONDONTWRITEBYTECODE the shell may set.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup run offpolicy plots test lint gpu-smoke gpu-check gpu-wheels serve deploy worker chromium clean-venv
+.PHONY: setup run offpolicy plots test test-fast lint gpu-smoke gpu-check gpu-wheels serve deploy worker chromium clean-venv
 
 setup: $(STAMP)
 
@@ -71,6 +71,11 @@ plots: $(STAMP)
 
 test: lint $(STAMP) chromium
 	$(ENV) python -m pytest $(PYTEST_REPORT) -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+
+# The inner loop's tier (<= 3 min): unit and small integration tests; none marked `slow` (vLLM engine builds,
+# launchers, servers, pipeline and queue runs: pyproject.toml's markers). CI runs `make test`, all of them.
+test-fast: lint $(STAMP)
+	$(ENV) python -m pytest $(PYTEST_REPORT) -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 # Style (ruff, line length 120) and the layer rules (import-linter: [tool.importlinter] in pyproject.toml).
 lint: $(STAMP)

@@ -235,6 +235,7 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
         assert "Traceback" not in serve.stderr and "validation error" not in serve.stderr
 
 
+@pytest.mark.slow
 def test_a_ray_address_nothing_answers_is_one_line_naming_it(ci_data):
     """RAY_ADDRESS names a cluster to join; where none answers the run stops in seconds (ray.init retries for
     minutes), before training writes anything."""
@@ -441,6 +442,7 @@ def prefect_server(tmp_path_factory):
         stop_server(server)
 
 
+@pytest.mark.slow
 def test_a_prefect_server_that_does_not_answer_in_time_names_the_limit_and_is_stopped(tmp_path):
     from flows.deployments import _port_in_use
 

@@ -30,7 +30,7 @@ from rlhf.models.forward import reference_logprobs
 from rlhf.rewards.proxy import RewardSpec
 
 # one vLLM engine at a time in a process, after the Llama ones (`make test` runs with --dist loadgroup)
-pytestmark = pytest.mark.xdist_group("vllm_engines")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_engines")]
 NEOX = SMALL.model_copy(update={"architecture": "gpt_neox"})
 TOL = 1e-4  # fp32: the engine's and the learner's log-probs of the same tokens, abs max (measured: ~1e-6)
 NOISE = 0.5  # std of the perturbation of one tensor: its effect on the log-probs must be far above TOL

@@ -166,6 +166,7 @@ def test_a_pretrained_reward_model_is_used_as_the_proxy_and_measured_against_gol
     assert saved.keys() == given.keys() and all(torch.equal(saved[k], given[k]) for k in saved)
 
 
+@pytest.mark.slow
 def test_a_shallow_reward_model_gets_its_head_fitted_on_pairs_vllm_sampled(ci_stages, tmp_path):
     """The smollm2 profile's reward settings at ci size: pairs from vLLM, the first layer of the SFT backbone kept as
     it is, scores averaged over the response, and only the head fitted."""
@@ -201,6 +202,7 @@ def test_map_in_processes_runs_in_workers_and_raises_their_errors_here():
         map_in_processes(os.readlink, ["/proc/self", "/no-such-file"], 2)
 
 
+@pytest.mark.slow
 def test_generate_and_evaluate_sample_with_vllm_as_hf_does(ci_data):
     """eval.engine=vllm: one vLLM engine per model samples the eval prompts; near-greedy, it writes the responses HF
     generate writes (up to a rare near-tie between float paths), and evaluate's metrics come out of the same code."""

@@ -88,6 +88,7 @@ LAUNCHERS = {  # two training processes each: DeepSpeed ZeRO-2 and ZeRO-3 throug
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_two_processes_train_step_the_schedule_once_per_update_and_save_a_reloadable_policy(
     ci_data, tmp_path, launcher

@@ -48,7 +48,7 @@ SMALL = ModelConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size
 MAX_MODEL_LEN = 64
 SEED = 3
 CPU = torch.device("cpu")  # where the tests' HF models live
-pytestmark = pytest.mark.xdist_group("vllm_engines")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_engines")]
 
 
 @pytest.fixture(scope="module")
