@@ -100,7 +100,7 @@ def queue(pts: dict[str, list[str]], jobs: int) -> int:
     if todo or waiting:  # the workers are daemons: given our stdout, they would hold it open until they end
         subprocess.run(["dvc", "queue", "start", "--jobs", str(jobs)], cwd=ROOT, stdout=subprocess.DEVNULL, check=True)
     start = time.perf_counter()
-    while left := queued():
+    while left := queued() & set(pts):  # other experiments in the queue are not ours to wait for
         print(f"offpolicy: {len(left)} queued or running, {time.perf_counter() - start:.0f} s", flush=True)
         time.sleep(30)
     failed = [n for n in pts if n not in experiments()]
