@@ -70,10 +70,14 @@ def dvc(*args: str, capture: bool = True) -> str:
 
 
 def experiments() -> dict[str, dict]:
-    """The project's finished experiments by name: their revision, params and metrics (`dvc exp show --json`; a
-    queued, running or failed one carries its queue task's state, a finished one none or "success")."""
+    """The project's finished experiments by name, from every commit they were run from: their revision, params
+    and metrics (`dvc exp show --json`; a queued, running or failed one carries its queue task's state, a finished
+    one none or "success"). Of two of one name, the later listed wins."""
     out = {}
-    for commit in json.loads(dvc("exp", "show", "--json", "--no-fetch") or "[]"):
+    # every commit experiments were run from, not only HEAD's: points stay found after a `git pull` or a commit
+    baselines = [line.rstrip(":") for line in dvc("exp", "list", "--all-commits").splitlines() if line.endswith(":")]
+    revs = itertools.chain.from_iterable(("--rev", b) for b in baselines)
+    for commit in json.loads(dvc("exp", "show", "--json", "--no-fetch", *revs) or "[]"):
         for exp in commit.get("experiments") or []:
             if (exp.get("executor") or {}).get("state", "success") != "success":
                 continue
