@@ -19,7 +19,7 @@ def test_the_committed_plots_page_is_what_rlhf_plots_page_writes():
 def plain_clone(path):
     """The tracked files `dvc plots show` reads (dvc.yaml, params.yaml, .dvc/, data/plots/), as this checkout has
     them, in a git repository of their own: a clone without the pipeline's outputs, .venv/ or .cache/."""
-    names = ["dvc.yaml", "params.yaml", ".dvc", "data/plots"]
+    names = ["dvc.yaml", "params.yaml", ".dvc", "data/plots", "bench/metrics/offpolicy.csv"]
     tracked = subprocess.run(["git", "ls-files", *names], cwd=ROOT, capture_output=True, text=True, check=True)
     tracked = tracked.stdout.split()
     assert ".dvc/plots_page.html" in tracked and "data/plots/frontier.csv" in tracked
@@ -40,10 +40,13 @@ def test_dvc_plots_show_draws_every_chart_offline_in_a_plain_clone(tmp_path):
     assert not (clone / ".cache").exists()
     dom = drawn_offline(clone / "out" / "index.html", tmp_path)
     charts = dom.split("<svg")[1:]
-    assert len(charts) >= 5, dom[:2000]  # 3 over episodes, the frontier, the eval bar chart
+    assert len(charts) >= 6, dom[:2000]  # 3 over episodes, the frontier, the off-policy grid, the eval bar chart
     (frontier,) = [c for c in charts if ">gold win-rate vs SFT against KL (the frontier)<" in c]
     # axis titles with units, not column names; the win-rate axis in percent and fitted to the points, not from 0
     assert ">KL(policy || SFT), nats per response<" in frontier and ">gold win-rate vs the SFT policy<" in frontier
     ticks = re.findall(r">(\d+)%<", frontier)
     assert ticks and "0" not in ticks, ticks
     assert 'class="mark-symbol role-mark' in frontier
+    # the off-policy grid's committed table (make offpolicy): a panel per algorithm, a colour per N
+    (grid,) = [c for c in charts if ">off-policy grid, win-rate vs KL per algorithm (make offpolicy)<" in c]
+    assert all(f">{a}<" in grid for a in ("ppo", "rloo", "online_dpo", "bok")) and ">16<" in grid
