@@ -78,7 +78,7 @@ SECTIONS = (
     "Engine and learner timeline",
     "Off-policy grid (make offpolicy)",
 )
-OFFPOLICY_CSV = Path(__file__).resolve().parent.parent / "bench" / "metrics" / "offpolicy.csv"
+OFFPOLICY_CSV = Path("bench", "metrics", "offpolicy.csv")  # `make offpolicy`'s, in the project the report runs in
 STYLE = (
     "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}td,th{padding:2px 12px;text-align:left}"
     "img{max-width:100%}</style>"

@@ -166,6 +166,7 @@ def test_the_report_has_every_section_and_its_charts_load_offline(repo, tmp_path
     html = page.read_text()
     assert all(f"<h2>{title}</h2>" in html for title in SECTIONS)
     assert "Not an asynchronous run" in html  # online_dpo: the timeline section says why it has no chart
+    assert "Not run yet: `make offpolicy`" in html  # this project has no off-policy grid (bench/metrics/offpolicy.csv)
     # Chromium reports each image's decoded width: a script added to a copy of the page, the network off
     probe = (
         "<script>onload = () => document.body.dataset.widths = [...document.images].map(i => i.naturalWidth)</script>"
