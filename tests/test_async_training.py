@@ -201,7 +201,7 @@ def test_engines_give_back_their_cores_in_any_order():
     give_back_cores(first)
 
 
-def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
+def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path, monkeypatch):
     """train.score_in_engine moves the reward model's and the reference's forwards into the engine process: the very
     same numbers (so "auto", which picks a side per batch by timing, keeps runs deterministic). With "always" the
     learner loads no reference model, so the KL could only come from the engine. The two runs are also the async
@@ -242,9 +242,10 @@ def test_engine_side_scoring_gives_the_learners_scores(ci_data, tmp_path):
     apart = {k: (v, first[0][k]) for k, v in ray_final.items() if v != pytest.approx(first[0][k], 1e-6, tolerance[k])}
     assert not apart, apart  # (two Ray engines, one engine)
     # the report's timeline: how much of the engine's work the learner never waited for
+    monkeypatch.chdir(tmp_path)  # a project without an off-policy grid (section 6 reads bench/metrics/ there)
     page, charts = report.write_report(ci_config(ci_data))
     page = page.read_text()
-    assert set(charts) == set(report.SECTIONS[2:])  # no evaluate run: no frontier
+    assert set(charts) == set(report.SECTIONS[2:5])  # no evaluate run: no frontier; no grid
     assert re.search(r"The first batch waited [\d.]+ s: the engine's start-up", page)
     assert re.search(r"the engine worked [\d.]+ s .* waited [\d.]+ s for batches: (-?\d+%|all) of the engine's", page)
     assert page.count("<img") == 3  # over episodes, step phases, timeline (no evaluate run: no frontier)
