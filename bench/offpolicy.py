@@ -143,6 +143,8 @@ def retention(final: pd.DataFrame) -> pd.DataFrame:
     """Per algorithm and seed: (win-rate at the largest N - 0.5) / (win-rate at N = 1 - 0.5); NaN where N = 1 gained
     no more than MIN_GAIN over SFT."""
     grid = final[final["S"] == 0].pivot_table(index=["algorithm", "seed"], columns="N", values="win_rate_vs_sft")
+    if 1 not in grid or len(grid.columns) < 2:  # nothing to compare yet
+        return pd.DataFrame(columns=["algorithm", "seed", "retention"])
     gain = (grid[1] - 0.5).where(grid[1] - 0.5 > MIN_GAIN)  # no gain at N = 1: nothing to retain (NaN)
     return ((grid[grid.columns.max()] - 0.5) / gain).rename("retention").reset_index()
 
