@@ -48,7 +48,14 @@ def write_json(path: Path | str, obj) -> None:
 
 
 def read_json(path: Path | str):
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """A JSON file the project wrote (metrics, checkpoint state, records). A damaged one (truncated by a crash or a
+    full disk, edited by hand) is a ValueError naming the file and the fix, not the parser's bare message."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        fix = "re-run the step that wrote it, or restore it (`dvc checkout` for a stage's output)"
+        raise ValueError(f"{path}: damaged JSON ({e}); {fix}") from e
 
 
 def package_file(package: str, relative: str, install_hint: str) -> Path:

@@ -260,6 +260,24 @@ def test_wandb_online_without_a_key_is_one_line(ci_data, tmp_path):
     assert "Traceback" not in proc.stderr and not (ci_data / "train" / "policy").exists()
 
 
+def test_a_damaged_json_file_of_our_own_is_named_with_the_fix(ci_data, tmp_path):
+    """Metrics, checkpoint state and records are read back through one reader (rlhf.io.read_json): a truncated or
+    hand-edited one is one line naming the file, not the parser's bare 'Expecting value'."""
+    from rlhf.io import read_json
+
+    damaged = ci_data / "metrics" / "reward.json"
+    damaged.write_text('{"agreement_heldout": 0.7,\n')  # cut off mid-write
+    params = tmp_path / "params.yaml"  # `rlhf report` takes no overrides: its data_dir comes from the params file
+    params.write_text(f"data_dir: {ci_data}\n" + PARAMS.read_text())
+    proc = run_cli("--profile", "ci", "report", params=params)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    [line] = [x for x in proc.stderr.strip().splitlines() if x.startswith("rlhf report: error:")]
+    assert f"{damaged}: damaged JSON" in line and "re-run the step that wrote it" in line
+    with pytest.raises(ValueError, match="trainer_state.json: damaged JSON"):
+        (ci_data / "trainer_state.json").write_bytes(b"\xff\xfe{")  # not even UTF-8
+        read_json(ci_data / "trainer_state.json")
+
+
 def test_a_stage_over_inputs_built_with_other_settings_names_the_stage_to_re_run(tmp_path):
     data = tmp_path / "data"
     built = run_cli("--profile", "ci", "prepare", f"data_dir={data}")

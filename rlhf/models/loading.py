@@ -8,7 +8,6 @@ A bad folder raises an error that names the folder or file.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ from transformers import (
 )
 
 from rlhf.config import ModelConfig
-from rlhf.io import atomic_dir, package_file
+from rlhf.io import atomic_dir, package_file, read_json
 from rlhf.models import lora
 from rlhf.runtime import CACHE
 
@@ -298,7 +297,7 @@ def _checked_model_folder(folder: str | Path) -> Path:
     files = sorted(folder.glob("*.safetensors"))
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        shards = sorted(set(read_json(index)["weight_map"].values()))
         files = [folder / shard for shard in shards]
     if not files:
         pickled = sorted(p for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)

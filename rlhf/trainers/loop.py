@@ -24,7 +24,7 @@ from rlhf.algorithms.common import apply_missing_eos_penalty
 from rlhf.config import Config, config_yaml
 from rlhf.generation.base import Generated
 from rlhf.generation.weights import full_weights
-from rlhf.io import atomic_dir, write_text
+from rlhf.io import atomic_dir, read_json, write_text
 from rlhf.models.batch import ModelInput, assemble, trim_padding
 from rlhf.models.forward import reference_logprobs, response_logprobs, response_logprobs_and_values
 from rlhf.models.loading import save_policy
@@ -117,7 +117,7 @@ def start(run: Run) -> tuple[checkpoint.LoopState, list[dict]]:
         state, mine = checkpoint.load(run.acc, last, trainable_only=run.lora)
         run.acc.print(f"resumed from {last} (batch {state.batch})")
         run.shuffle.set_state(torch.tensor(mine["shuffle_rng"], dtype=torch.uint8))
-        rows = json.loads((last / ROWS_FILE).read_text(encoding="utf-8")) if run.acc.is_main_process else []
+        rows = read_json(last / ROWS_FILE) if run.acc.is_main_process else []
     run.engine.seek(state.batch)
     for b in range(state.batch, min(state.batch + run.engine.lookahead, run.sizes.num_batches)):
         # a resumed async engine samples these with the versions the interrupted run used (kept in the
