@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 
 import numpy as np
-from offpolicy import OUT, ROOT, experiments, queue
+from offpolicy import OUT, committed, experiments, queue
 from scipy import stats
 
 SEEDS = (1, 2, 3, 4, 5)
@@ -42,13 +41,9 @@ def points() -> dict[str, list[str]]:
     return out
 
 
-def values(exps: dict[str, dict], names: list[str], file: str, key: str) -> np.ndarray:
+def values(exps: dict[str, str], names: list[str], file: str, key: str) -> np.ndarray:
     """One metric of each experiment, read from the metrics file its commit holds."""
-    out = []
-    for name in names:
-        show = subprocess.run(["git", "show", f"{exps[name]['rev']}:{file}"], cwd=ROOT, text=True, capture_output=True)
-        out.append(json.loads(show.stdout)[key])
-    return np.array(out, dtype=float)
+    return np.array([json.loads(committed(exps[name], file))[key] for name in names], dtype=float)
 
 
 def report() -> int:

@@ -23,6 +23,7 @@ half-range of any one algorithm's retention over its seeds).
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import itertools
 import json
@@ -60,19 +61,19 @@ def points() -> dict[str, list[str]]:
     return out
 
 
-def dvc(*args: str, capture: bool = True) -> str:
+def dvc(*args: str) -> str:
     """Run `dvc ARGS` in the project; its stdout. A failure ends this script with DVC's own message."""
-    proc = subprocess.run(["dvc", *args], cwd=ROOT, capture_output=capture, text=True)
+    proc = subprocess.run(["dvc", *args], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         error = " ".join(line.strip() for line in (proc.stderr or "").strip().splitlines()[-4:])
         sys.exit(f"offpolicy: `dvc {' '.join(args)}` failed: {error}")
     return proc.stdout or ""
 
 
-def experiments() -> dict[str, dict]:
-    """The project's finished experiments by name, from every commit they were run from: their revision, params
-    and metrics (`dvc exp show --json`; a queued, running or failed one carries its queue task's state, a finished
-    one none or "success"). Of two of one name, the later listed wins."""
+def experiments() -> dict[str, str]:
+    """The project's finished experiments, name -> revision, from every commit they were run from (`dvc exp show
+    --json`; a queued, running or failed one carries its queue task's state, a finished one none or "success").
+    Of two of one name, the later listed wins."""
     out = {}
     # every commit experiments were run from, not only HEAD's: points stay found after a `git pull` or a commit
     baselines = [line.rstrip(":") for line in dvc("exp", "list", "--all-commits").splitlines() if line.endswith(":")]
@@ -83,7 +84,7 @@ def experiments() -> dict[str, dict]:
                 continue
             for rev in exp.get("revs") or []:
                 if rev.get("name") and not rev.get("error"):
-                    out[rev["name"]] = {"rev": rev["rev"], **(rev.get("data") or {})}
+                    out[rev["name"]] = rev["rev"]
     return out
 
 
@@ -114,20 +115,19 @@ def queue(pts: dict[str, list[str]], jobs: int) -> int:
     return 1 if failed else 0
 
 
-def frontier_rows(exps: dict[str, dict], pts: dict[str, list[str]]) -> pd.DataFrame:
+@functools.cache
+def committed(rev: str, path: str) -> str:
+    """The text of `path` as experiment revision `rev` committed it (a metrics or plots file: `cache: false`)."""
+    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, text=True, capture_output=True, check=True).stdout
+
+
+def frontier_rows(exps: dict[str, str], pts: dict[str, list[str]]) -> pd.DataFrame:
     """One row per kept policy (data/plots/frontier.csv, read from each experiment's commit) of every finished
     point, with the point's settings: algorithm, N, S (0 = synchronous), tis_cap, seed."""
     frames = []
     for name in (n for n in pts if n in exps):
-        show = subprocess.run(
-            ["git", "show", f"{exps[name]['rev']}:data/plots/frontier.csv"],
-            cwd=ROOT,
-            text=True,
-            capture_output=True,
-            check=True,
-        )
         settings = dict(s.split("=", 1) for s in pts[name])
-        frame = pd.read_csv(io.StringIO(show.stdout))
+        frame = pd.read_csv(io.StringIO(committed(exps[name], "data/plots/frontier.csv")))
         frame.insert(0, "point", name)
         frame.insert(1, "algorithm", settings["train.trainer"])
         frame.insert(2, "N", int(settings.get("train.num_mini_batches", 1)))
@@ -196,7 +196,7 @@ def verdict(mean: pd.Series, spread: float) -> str:
     )
 
 
-def report(exps: dict[str, dict], pts: dict[str, list[str]]) -> int:
+def report(exps: dict[str, str], pts: dict[str, list[str]]) -> int:
     """bench/metrics/offpolicy.csv (every kept policy), offpolicy.md (the tables), offpolicy.png (the figure)."""
     from rlhf.report import offpolicy_png
 

@@ -39,7 +39,7 @@ def placement(
     if backend == "ray":
         if not (setting.startswith("cuda") or (setting == "auto" and learner != "cpu")):
             return Placement("cpu", True, None)
-        spare = tuple(range(world, torch.cuda.device_count())) or (0,)  # the training ranks hold cuda:0 .. W-1
+        spare = spare_gpus(world, torch.cuda.device_count())
         shared = spare == (0,) and world > 0 and learner != "cpu"
         return Placement("cuda:0", True, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY), spare, shared)
     if setting == "auto" and name == "vllm_async" and torch.cuda.device_count() > world:
@@ -55,6 +55,12 @@ def placement(
     return Placement(device, own_process, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY), None, shared)
 
 
+def spare_gpus(world: int, gpus: int) -> tuple[int, ...]:
+    """The GPUs a local Ray cluster gives its engines: those after the training ranks' cuda:0 .. W-1, else cuda:0,
+    shared with training."""
+    return tuple(range(world, gpus)) or (0,)
+
+
 def check_runnable_here(c, gpus: int, cpus: int, ray_address: str | None, world: int = 1) -> None:
     """Refuse, in one line naming the setting, what this machine cannot run, before any process starts: train `c`
     (a TrainConfig) in `world` processes on a machine with `gpus` CUDA devices visible and `cpus` CPUs, on the Ray
@@ -67,7 +73,7 @@ def check_runnable_here(c, gpus: int, cpus: int, ray_address: str | None, world:
             raise ValueError(f"train.engine_device: {c.engine_device}, but this machine has {seen}; use auto or cpu")
     if c.engine_backend == "ray" and ray_address is None:
         on_gpus = c.engine_device.startswith("cuda") or (c.engine_device == "auto" and gpus > 0)
-        room, what = (max(gpus - world, 1), "GPU") if on_gpus else (cpus, "CPU")
+        room, what = (len(spare_gpus(world, gpus)), "GPU") if on_gpus else (cpus, "CPU")
         if c.num_engines > room:
             raise ValueError(
                 f"train.num_engines: {c.num_engines} Ray engines, each asking for a {what}, on a local cluster that "
