@@ -1,12 +1,14 @@
 """Online DPO on the same episodes: sync HF generate and vLLM colocated (each with 1 and with 2 torch threads: a sync
-run has the cores to itself; the faster by the wall clock, per seed, is the baseline), vLLM asynchronous (N=1; the
-learner and the engine process one thread each) in an engine process,
+run has the cores to itself; every sync run runs with the first seed, and the fastest of them by the wall clock is
+the baseline, the one sync run of the other seeds), vLLM asynchronous (N=1; the learner and the engine process one
+thread each) in an engine process,
 the same as E = 1 and E = 2 Ray actors (train.engine_backend: ray; the Ray overhead is E = 1 against the engine
 process, in the same invocation), and async with 2 training processes sharing the engine (accelerate launch, ZeRO-2;
 on a 2-core CPU box 3 processes share 2 cores, so it is slower than 1 rank: the row shows that the paper's layout runs
 and where its time goes).
 
-Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`). Usage:
+Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`; --profile smollm2: its own,
+built once under .cache/bench/smollm2-data, see common.smollm2_data). Usage:
     .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [--seeds 3] [--runs a,b]
         [key=value ...]
 Each run is `rlhf train` in a process of its own, as the train stage runs: "wall" is its wall clock (imports,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import statistics
 import subprocess
@@ -31,12 +34,12 @@ import time
 from pathlib import Path
 
 import torch
-from common import column_sum, scratch_data  # bench/ is sys.path[0]
+from common import column_sum, scratch_data, smollm2_data  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = ("train.engine_backend=ray",)
 # run name -> (train.trainer, settings); a sync run alone on the box may use every core: each runs with one torch
-# thread and with two (`_2t`), and the faster by the wall clock, per seed, is the baseline ("best sync")
+# thread and with two (`_2t`), all with the first seed; the fastest by the wall clock is the baseline ("best sync")
 RUNS = {
     "sync_hf": ("online_dpo", ()),
     "sync_hf_2t": ("online_dpo", ()),
@@ -47,8 +50,6 @@ RUNS = {
     "vllm_async_ray2": ("online_dpo_vllm", (*RAY, "train.num_engines=2")),
 }
 SYNC = ("sync_hf", "sync_hf_2t", "vllm_colocated", "vllm_colocated_2t")
-# unless a colocated run is the only sync baseline
-FIRST_SEED_ONLY = {"vllm_colocated", "vllm_colocated_2t", "vllm_async_2ranks", "vllm_async_ray1", "vllm_async_ray2"}
 TWO_RANKS = {"vllm_async_2ranks": ("online_dpo_vllm", ())}  # under accelerate launch --num_processes 2
 # train.csv's timing/* columns summed over the run; wait: the learner waiting for the engine (async only);
 # scoring_engine: scores and reference log-probs computed in the engine process (overlapped)
@@ -96,13 +97,12 @@ def main() -> None:
     if unknown or "vllm_async" not in chosen or not set(SYNC) & set(chosen):
         raise SystemExit(f"--runs: {args.runs!r}: needs vllm_async and a sync run among {[*RUNS, *TWO_RANKS]}")
     base = load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
-    all_runs = {**RUNS, **TWO_RANKS}
-    hf_sync = {"sync_hf", "sync_hf_2t"} & set(chosen)
-    once = FIRST_SEED_ONLY - ({"vllm_colocated", "vllm_colocated_2t"} if not hf_sync else set())
-    per_seed = [
-        run_all(args, base + i, {k: v for k, v in all_runs.items() if k in chosen and (i == 0 or k not in once)})
-        for i in range(args.seeds)
-    ]
+    runs = {k: v for k, v in {**RUNS, **TWO_RANKS}.items() if k in chosen}
+    per_seed = [run_all(args, base, runs)]
+    # the other seeds: the first seed's fastest sync run by the wall clock (the baseline) and async
+    best = min((n for n in per_seed[0] if n in SYNC), key=lambda n: per_seed[0][n]["wall_seconds"])
+    later = {k: v for k, v in runs.items() if k in (best, "vllm_async")}
+    per_seed += [run_all(args, base + i, later) for i in range(1, args.seeds)]
     summarise(args, per_seed)
 
 
@@ -110,8 +110,9 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
     from rlhf.config import load_config
 
     results = {}
+    source = smollm2_data() if args.profile == "smollm2" else None  # else the pipeline's data/ (make run)
     for name, (trainer, extra) in runs.items():
-        data = scratch_data(ROOT / "bench" / "out" / name / "data")
+        data = scratch_data(ROOT / "bench" / "out" / name / "data", source=source)
         settings = [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", f"seed={seed}"]
         settings += extra
         cfg = load_config(ROOT / "params.yaml", args.profile, [*settings, *args.overrides])
@@ -132,12 +133,37 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
             **{f"{part}_seconds": column_sum(rows, f"timing/{part}") for part in BREAKDOWN},
             "final_gold": eval_gold(cfg),
             "max_staleness_seen": max(float(r["async/staleness"]) for r in rows),
+            "curve": gold_curve(rows),  # (rolling gold of the samples, seconds from process start) per batch
         }
         print(
             f"seed {seed} {name}: loop {results[name]['loop_seconds']:.1f} s, gold {results[name]['final_gold']:.3f}",
             flush=True,
         )
     return results
+
+
+def gold_curve(rows: list[dict]) -> list[tuple[float, float]]:
+    """Per batch from the window's end on: (mean gold score of the samples of the last `window` batches, seconds from
+    the process's start to that batch's end); window = an eighth of the run, at least 2 batches."""
+    window = max(2, len(rows) // 8)
+    gold = [float(r["objective/gold"]) for r in rows]
+    return [
+        (sum(gold[t + 1 - window : t + 1]) / window, float(rows[t]["timing/elapsed"]))
+        for t in range(window - 1, len(rows))
+    ]
+
+
+def quality_level(sync: dict) -> float:
+    """The quality level of time to quality, by a rule fixed before the runs: two thirds of the way from the
+    baseline's first window of gold to its last quarter's (so the baseline reaches it; another run may not)."""
+    curve = [g for g, _ in sync["curve"]]
+    last = curve[-max(1, len(curve) // 4) :]
+    return curve[0] + 2 / 3 * (sum(last) / len(last) - curve[0])
+
+
+def seconds_to(level: float, curve: list[tuple[float, float]]) -> float:
+    """Seconds from the process's start until the rolling gold first reaches `level` (inf: never)."""
+    return next((seconds for gold, seconds in curve if gold >= level), math.inf)
 
 
 def stage_train(cfg, settings: list[str], profile: str, processes: int = 1, threads: int = 1):
@@ -166,6 +192,15 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
     # the best sync of each seed: the fastest sync run by the wall clock, whatever its engine and thread count
     best = [min((n for n in r if n in SYNC), key=lambda n, r=r: r[n]["wall_seconds"]) for r in per_seed]
     results, sync_name = per_seed[0], best[0]
+    to_quality = []  # per seed: best sync's seconds to the quality level / async's (0: async never reached it)
+    for r, b in zip(per_seed, best):
+        level = quality_level(r[b])
+        for run in r.values():
+            curve = run.pop("curve")
+            run["quality_level"], reached = level, seconds_to(level, curve)
+            if reached < math.inf:  # never reached: no entry (JSON has no infinity)
+                run["seconds_to_quality"] = reached
+        to_quality.append(r[b]["seconds_to_quality"] / r["vllm_async"].get("seconds_to_quality", math.inf))
     gaps = [100 * (r["vllm_async"]["final_gold"] - r[b]["final_gold"]) for r, b in zip(per_seed, best)]
     speedups = [r[b]["loop_seconds"] / r["vllm_async"]["loop_seconds"] for r, b in zip(per_seed, best)]
     walls = [r[b]["wall_seconds"] / r["vllm_async"]["wall_seconds"] for r, b in zip(per_seed, best)]
@@ -181,6 +216,7 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
         "speedup_async_vs_sync_mean_over_seeds": statistics.mean(speedups),
         "speedup_steady_async_vs_sync_mean_over_seeds": statistics.mean(steadies),
         "speedup_wall_async_vs_sync_mean_over_seeds": statistics.mean(walls),
+        "speedup_time_to_quality_mean_over_seeds": statistics.mean(to_quality),
         "seeds": len(gaps),
     }
     if len(gaps) > 1:  # one seed has no standard error; NaN would be a `dvc metrics diff` row forever (NaN != NaN)
@@ -207,12 +243,17 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
         f"{args.seeds} seed(s) (table: the first; _2t: two torch threads, else one per process; CPU: {cpu_flags()})"
     )
     keys = ("wall", "loop", "first_wait", "steady_loop", "episodes_per_second", "generation", "learner", *BREAKDOWN)
-    keys += ("final_gold",)
+    keys += ("to_quality", "final_gold")
     labels = ("wall s", "loop s", "1st wait s", "steady s", "eps/s", "gen s", "learner s", "score s", "ref s")
     labels += ("update s", "sync s", "wait s")
-    labels += ("eng scr s", "eng idle s", "gold")
+    labels += ("eng scr s", "eng idle s", "quality s", "gold")
+    print(
+        f"time to quality: seconds from process start until the samples' gold (rolling) reaches "
+        f"{results[sync_name]['quality_level']:.3f}, 2/3 of the way from the baseline's first window to its end"
+    )
     print(f"{'run':<18}" + "".join(f"{label:>11}" for label in labels))
     for name, r in results.items():
+        r = {**r, "to_quality_seconds": r.get("seconds_to_quality", math.inf)}
         cells = (r[k if k in ("episodes_per_second", "final_gold") else f"{k}_seconds"] for k in keys)
         print(
             f"{name:<18}" + "".join(f"{c:>11.3f}" if k == "final_gold" else f"{c:>11.1f}" for k, c in zip(keys, cells))
@@ -226,6 +267,8 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
         + ", ".join(f"{x:.2f}" for x in steadies)
         + "; wall clock "
         + ", ".join(f"{x:.2f}" for x in walls)
+        + "; time to quality "
+        + ", ".join(f"{x:.2f}" for x in to_quality)
         + "; gold async - sync (points) "
         + ", ".join(f"{g:+.1f}" for g in gaps)
     )

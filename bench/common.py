@@ -1,9 +1,13 @@
-"""What the benchmarks share: a scratch data dir over the pipeline's outputs, and a timed `train` run's rows."""
+"""What the benchmarks share: a scratch data dir over the pipeline's outputs, a timed `train` run's rows, a measured
+child process, and the interval a comparison's verdict is read from."""
 
 from __future__ import annotations
 
 import csv
+import math
 import shutil
+import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -68,3 +72,47 @@ def smollm2_data() -> Path:
         if not (folder / name).exists():
             stage.run(cfg)
     return folder
+
+
+def run_process_tree(cmd: list[str], log_path: Path, env: dict | None = None) -> tuple[float, int]:
+    """Run cmd to completion, output to log_path: (wall seconds from spawn to exit, peak RSS bytes of its process
+    tree sampled every 0.2 s). A failed run exits with the log's last lines."""
+    import psutil
+
+    start = time.perf_counter()
+    peak = 0
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            rss = 0
+            try:
+                family = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                family = []
+            for p in family:
+                try:
+                    rss += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            peak = max(peak, rss)
+            time.sleep(0.2)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+        tail = "".join(log_path.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}); last lines of {log_path}:\n{tail}")
+    return wall, peak
+
+
+def interval90(diffs: list[float], ses: list[float]) -> tuple[float, float]:
+    """90% interval of the mean of R per-round differences `diffs`, each with its measurement's standard error
+    `ses`: the wider of the measurement-noise interval (normal) and, from 2 rounds on, the between-rounds one
+    (Student t, R - 1 d.o.f.; rounds differ in seed, so it holds training noise too)."""
+    from scipy import stats
+
+    r = len(diffs)
+    centre = sum(diffs) / r
+    half = stats.norm.ppf(0.95) * math.sqrt(sum(se * se for se in ses)) / r
+    if r > 1:
+        half = max(half, stats.t.ppf(0.95, r - 1) * statistics.stdev(diffs) / math.sqrt(r))
+    return centre - half, centre + half

@@ -4,7 +4,8 @@ Usage:
     .venv/bin/python -m rlhf.runtime python bench/engines.py --model smollm2      # the packaged SmolLM2-135M
     .venv/bin/python -m rlhf.runtime python bench/engines.py --model data/sft     # any saved policy folder
 Needs data/prepared (prompts). Prints generated tokens/s of each engine and their ratio; writes
-bench/metrics/engines_<model>.json (a DVC metrics file). Engine start-up is reported apart, not in tokens/s.
+bench/metrics/engines_<model>.json (a DVC metrics file). Engine start-up is reported apart, not in tokens/s. Both
+engines are warmed alike, on one batch of other prompts than the timed ones (first-call allocations, kernels).
 """
 
 from __future__ import annotations
@@ -71,22 +72,26 @@ def main() -> None:
 
     folder = model_folder(args.model)
     tokenizer = load_tokenizer(folder)
-    texts = list(load_split(Path(args.data), "eval_prompts", EvalPrompts)["prompt"])[: args.prompts]
+    texts = list(load_split(Path(args.data), "eval_prompts", EvalPrompts)["prompt"])[: args.prompts + args.batch]
     ids = tokenizer(texts)["input_ids"]
+    warm_up, ids = ids[args.prompts :], ids[: args.prompts]  # not timed, and not among the timed prompts
+    if len(warm_up) < args.batch:
+        raise SystemExit(f"engines: --prompts {args.prompts} + --batch {args.batch} is more than the eval prompts")
     batches = [ids[i : i + args.batch] for i in range(0, len(ids), args.batch)]
     params = SamplingParams(k=args.k, max_new_tokens=args.tokens, temperature=0.7)
     eos = tokenizer.eos_token_id
-    max_len = max(map(len, ids)) + args.tokens
+    max_len = max(map(len, ids + warm_up)) + args.tokens
 
     torch.manual_seed(0)
     device = runtime.device()
     hf = HFEngine(load_causal_lm(folder, getattr(torch, args.dtype)).to(device), tokenizer.pad_token_id, eos, device)
+    run_engine(hf, [warm_up], params, eos)
     hf_seconds, hf_tokens = run_engine(hf, batches, params, eos)
     work = ROOT / ".cache" / "bench" / "engine"
     limits = dict(seed=0, max_model_len=max_len, work_dir=work, dtype=args.dtype)
     engine = make_engine("vllm", None, folder, tokenizer, device=device, **limits)
     try:
-        run_engine(engine, batches[:1], params, eos)  # warm-up (first-call allocations), not timed
+        run_engine(engine, [warm_up], params, eos)
         vllm_seconds, vllm_tokens = run_engine(engine, batches, params, eos)
     finally:
         engine.close()

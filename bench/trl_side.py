@@ -263,7 +263,7 @@ def main() -> None:
     ap.add_argument("--spec", required=True, help="JSON written by bench/vs_trl.py")
     ap.add_argument("--out", required=True, help="output folder")
     a = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(os.environ.get("RLHF_TORCH_THREADS", "1")))  # bench/vs_trl.py's --threads
     process_start = time.perf_counter()
     import datasets
     import transformers

@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from rlhf.config import DEFAULT_PARAMS, ConfigError, config_yaml, load_config
-from rlhf.io import check_writable, stage_lock
+from rlhf.io import check_writable, published_together, stage_lock
 from rlhf.presets import PRESETS, describe
 from rlhf.stages import built_with
 
@@ -168,9 +168,10 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "train":  # what this machine cannot run fails now, before the engine's process starts
             _check_runnable_here(cfg)
         with stage_lock(lock_file(cfg.data_dir, args.command), args.command, cfg.data_dir, runtime.env_int("RANK", 0)):
-            importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
-            if runtime.env_int("RANK", 0) == 0:
-                built_with.record(cfg, args.command, STAGE_OUTPUTS[args.command])
+            with published_together(outputs):  # the stage's outputs and its record move in together, or none
+                importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
+                if runtime.env_int("RANK", 0) == 0:
+                    built_with.record(cfg, args.command, STAGE_OUTPUTS[args.command])
         record_stage_cost(args.command, cfg.profile)
         return 0
     except KeyboardInterrupt:
@@ -180,8 +181,17 @@ def _run(argv: list[str] | None) -> int:
         # Known failure modes carry a message naming the key/file; tracebacks only on request.
         if os.environ.get("RLHF_DEBUG"):
             traceback.print_exc()
-        print(f"rlhf {args.command}: error: {_describe(e)}", file=sys.stderr)
+        print(f"rlhf {args.command}: error: {_describe(e)}{_set_by_dvc(e)}", file=sys.stderr)
         return 1
+
+
+def _set_by_dvc(e: BaseException) -> str:
+    """A bad setting in a `dvc exp run` in the workspace: DVC wrote its -S values into params.yaml and leaves them
+    there after a failure (the stage's outputs are untouched: dvc.yaml's `persist`), so say how to undo it."""
+    in_workspace = ".dvc/tmp/exps" not in Path.cwd().as_posix()  # queued and --temp runs have their own copy
+    if isinstance(e, ConfigError) and os.environ.get("DVC_EXP_NAME") and in_workspace:
+        return "; params.yaml still holds the value `dvc exp run -S` set: fix it, or `git checkout params.yaml`"
+    return ""
 
 
 def _check_runnable_here(cfg) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -10,15 +11,140 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+class Publication:
+    """The outputs of one stage run, moved into place together (rlhf.cli opens one around each stage). Each output
+    is written under a temporary name beside its place; only when every one is complete do they move in, the
+    previous ones set aside until all have, and put back if a move fails. A failed run leaves the previous outputs
+    exactly as they were and no temporary file; what must wait for success (deleting the run's checkpoints) waits."""
+
+    def __init__(self, roots: list[Path]) -> None:
+        self.roots = [Path(os.path.abspath(r)) for r in roots]  # the stage's output folders; writes elsewhere
+        # (checkpoints, caches) are not outputs and land at once
+        self.staged: dict[Path, Path] = {}  # final path -> its complete temporary
+        self.after: list = []  # callables run once every output has moved in
+        self.made: list[Path] = []  # parent folders created for the temporaries (removed again if left empty)
+
+    def where(self, path: Path) -> Path | None:
+        """Where `path` is being written: inside a staged folder's temporary, or None."""
+        for final, tmp in self.staged.items():
+            if tmp.is_dir() and path.is_relative_to(final) and path != final:
+                return tmp / path.relative_to(final)
+        return None
+
+    def commit(self) -> None:
+        for final, tmp in self.staged.items():  # nothing moves if one output cannot
+            _check_nothing_in_the_way(tmp, final)
+        done: list[list] = []  # [final, the previous one set aside or None, whether the new one moved in]
+        try:
+            for final, tmp in self.staged.items():
+                aside = final.with_name(f".{final.name}.old-{os.getpid()}") if os.path.lexists(final) else None
+                if aside is not None:
+                    _remove(aside)
+                    os.replace(final, aside)
+                done.append([final, aside, False])
+                os.replace(tmp, final)
+                done[-1][2] = True
+        except BaseException:
+            for final, aside, moved_in in reversed(done):
+                if moved_in:
+                    _remove(final)
+                if aside is not None:
+                    os.replace(aside, final)
+            raise
+        for _, aside, _ in done:
+            if aside is not None:
+                _remove(aside)
+
+    def discard(self) -> None:
+        for tmp in self.staged.values():
+            _remove(tmp)
+        for folder in reversed(self.made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty
+
+
+_open: list[Publication] = []  # the publication of the stage running in this process, if any
+
+
+@contextlib.contextmanager
+def published_together(roots: list[Path]) -> Iterator[Publication]:
+    """Every output written inside (atomic_dir, write_text, write_json) under the folders `roots` moves into place
+    at the end, together."""
+    publication = Publication(roots)
+    _open.append(publication)
+    try:
+        yield publication
+        publication.commit()
+    except BaseException:
+        publication.discard()
+        raise
+    finally:
+        _open.remove(publication)
+    for run in publication.after:
+        run()
+
+
+def after_publishing(run) -> None:
+    """Call `run()` once the open publication's outputs are in place (now, when none is open)."""
+    if _open:
+        _open[-1].after.append(run)
+    else:
+        run()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def _target(path: Path | str) -> tuple[Path, Publication | None]:
+    """Where to write `path`, and the publication that will move it in (None: it moves in at once). A path inside
+    a folder the open publication holds as a temporary is written straight into that temporary."""
+    path = Path(os.path.abspath(path))
+    if not _open or not any(path.is_relative_to(root) for root in _open[-1].roots):
+        return path, None
+    inside = _open[-1].where(path)
+    return (inside, None) if inside is not None else (path, _open[-1])
+
+
+def _temporary(path: Path, publication: Publication | None) -> Path:
+    """A temporary sibling of `path`, its parent created (and remembered by the publication)."""
+    missing = [p for p in reversed(path.parents) if not p.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if publication is not None:
+        publication.made += missing
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _place(tmp: Path, path: Path, publication: Publication | None) -> None:
+    """Move the complete `tmp` to `path`: at once, or with the publication's other outputs."""
+    if publication is not None:
+        if publication.staged.get(path, tmp) != tmp:
+            _remove(publication.staged[path])  # written twice in one run: the later one counts
+        publication.staged[path] = tmp
+        return
+    _check_nothing_in_the_way(tmp, path)
+    old = path.with_name(f".{path.name}.old-{os.getpid()}")
+    if path.is_dir():  # a file replaces a file in one rename; a folder needs the old one set aside first
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _remove(old)
+
+
+def _check_nothing_in_the_way(tmp: Path, final: Path) -> None:
+    """A folder where a file goes, or a file where a folder goes, is the user's to move: never replaced."""
+    if final.exists() and final.is_dir() != tmp.is_dir():
+        raise OSError(errno.EISDIR if final.is_dir() else errno.ENOTDIR, "in the way", str(final))
+
+
 @contextlib.contextmanager
 def atomic_dir(path: Path | str) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces `path` by rename, on error it is removed.
-
-    The old `path` stays intact until the new one is complete.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """Yield a temporary sibling folder; on success it replaces `path` by rename (with the open publication's other
+    outputs, when one is open), on error it is removed. The old `path` stays intact until the new one is complete."""
+    path, publication = _target(path)
+    tmp = _temporary(path, publication)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -26,20 +152,29 @@ def atomic_dir(path: Path | str) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    if path.exists():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    _place(tmp, path, publication)
 
 
 def write_text(path: Path | str, text: str) -> None:
-    """Write a text file atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """Write a text file atomically (temp file + rename; with the open publication's other outputs, when one is
+    open). A failed write leaves the old file and no temporary."""
+    path, publication = _target(path)
+    tmp = _temporary(path, publication)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        _place(tmp, path, publication)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """shutil.copytree's copy_function for files that are never modified in place: a hard link where the disk
+    allows, else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def write_json(path: Path | str, obj) -> None:

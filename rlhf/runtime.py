@@ -46,6 +46,15 @@ CACHE_ENV = {
 }
 
 
+def seconds_since_start() -> float:
+    """Wall-clock seconds since this process started, as the kernel recorded it (interpreter start included)."""
+    import time
+
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
 def configure() -> None:
     """Set the offline/quiet environment (without overriding what the user set), then torch's backend settings.
 

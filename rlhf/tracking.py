@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from rlhf.config import Config
-from rlhf.io import write_json
+from rlhf.io import write_json, write_text
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -147,14 +147,11 @@ class Tracker:
     def finish(self, final: dict) -> None:
         if not self.enabled:
             return
-        self.plot_path.parent.mkdir(parents=True, exist_ok=True)
-        keys = sorted({k for r in self.rows for k in r})
-        tmp = self.plot_path.with_suffix(".tmp")
-        with tmp.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(self.rows)
-        tmp.replace(self.plot_path)
+        table = io.StringIO()
+        w = csv.DictWriter(table, fieldnames=sorted({k for r in self.rows for k in r}))
+        w.writeheader()
+        w.writerows(self.rows)
+        write_text(self.plot_path, table.getvalue())
         write_json(self.metrics_path, final)
         if self.run is not None:
             self.run.summary.update(final)

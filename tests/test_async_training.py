@@ -56,6 +56,9 @@ def test_async_engine_keeps_every_batch_within_max_staleness(ci_data, trainer, s
     # batch t is sampled before batch t-N is trained on: staleness min(t, N), never more than N
     assert stale == [min(t, staleness) for t in range(4)]
     assert all(float(r["timing/wait"]) >= 0 for r in logged)
+    # seconds from the process's start: rising by at least each iteration's own time
+    elapsed, step = ([float(r[f"timing/{k}"]) for r in logged] for k in ("elapsed", "step"))
+    assert elapsed[0] > step[0] and all(b - a > s - 0.01 for a, b, s in zip(elapsed, elapsed[1:], step[1:]))
     if backend:  # several Ray engines score their slices of every batch (score_in_engine auto = always)
         assert all(float(r["timing/scoring_engine"]) > 0 for r in logged)
         assert not sys.modules["ray"].is_initialized()  # the run's local cluster stopped with its engines

@@ -327,6 +327,33 @@ def test_a_stage_failing_at_its_last_write_keeps_its_previous_outputs_whole(tmp_
 
 
 @pytest.mark.slow
+def test_a_train_run_failing_at_its_last_write_shows_nothing_of_itself_and_loses_nothing(ci_data):
+    """Side outputs join the all-or-nothing rule: a new run (another learning rate) whose metrics file cannot be
+    written leaves the previous run's policy, config.yaml, kept frontier policies, record and train.csv as they
+    were, no temporary file, and its own checkpoints, from which the same command finishes once the way is clear."""
+    train = ("--profile", "ci", "train", f"data_dir={ci_data}", "tracking.wandb_mode=disabled")
+    first = run_cli(*train)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert any((ci_data / "train" / "frontier").iterdir())  # the ci profile keeps policies for the frontier
+    before = {name: folder_digest(ci_data / name) for name in ("train", "plots")}
+    metrics = ci_data / "metrics" / "train.json"
+    metrics.unlink()
+    metrics.mkdir()  # the run's last write fails, after all its work (no root-proof way to deny a write)
+    second = run_cli(*train, "train.learning_rate=1e-2", "train.save_every=1")
+    assert second.returncode == 1
+    [line] = [x for x in second.stderr.splitlines() if x.startswith("rlhf train: error:")]
+    assert line == f"rlhf train: error: {metrics}: a folder is in the way of this file: move it away and re-run"
+    assert {name: folder_digest(ci_data / name) for name in before} == before
+    assert not [p for p in ci_data.rglob("*") if ".tmp-" in p.name or ".old-" in p.name]
+    assert list((ci_data / "checkpoints").glob("*/batch-*"))  # the failed run's work: kept until its outputs land
+    metrics.rmdir()
+    third = run_cli(*train, "train.learning_rate=1e-2", "train.save_every=1")
+    assert third.returncode == 0 and "resumed from" in third.stdout + third.stderr, third.stderr[-2000:]
+    assert "learning_rate: 0.01" in (ci_data / "train" / "config.yaml").read_text()
+    assert not any((ci_data / "checkpoints").iterdir())  # removed once the outputs were in place
+
+
+@pytest.mark.slow
 def test_a_second_run_of_a_stage_in_the_same_folder_is_refused_while_the_first_runs(ci_data):
     settings = [f"data_dir={ci_data}", "tracking.wandb_mode=disabled"]
     cmd = rlhf_command("--profile", "ci", "train", *settings, "train.total_episodes=8000")
@@ -392,6 +419,52 @@ def test_disk_full_while_checkpointing_removes_the_partial_checkpoint(stopped, m
     assert loading.load_causal_lm(data / "train" / "policy").config.model_type == "llama"
 
 
+def test_a_damaged_checkpoint_is_passed_over_for_the_newest_intact_one(tmp_path):
+    """What the save recorded (files.json) decides: a file cut short or gone, or a JSON file edited into nonsense,
+    makes a checkpoint pass over to the next older one; none intact is None with a line per checkpoint; a file that
+    keeps its size but does not load is one error naming the checkpoint and the way out."""
+    from rlhf.trainers import checkpoint
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = acc.prepare(model, optimizer)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    for batch in (1, 2, 3):
+        checkpoint.save(acc, tmp_path, checkpoint.LoopState(batch=batch), {"shuffle_rng": []}, keep=3)
+    one, two, three = (tmp_path / f"batch-00000{b}" for b in (1, 2, 3))
+    assert checkpoint.latest(tmp_path) == (three, [])
+
+    weights = three / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    (two / "metric_rows.json").write_text("[{")  # not written by this save: still checked as JSON
+    (two / "rank_state_0.json").write_text('{"shuffle_rng": [')
+    last, passed_over = checkpoint.latest(tmp_path)
+    assert last == one
+    size = weights.stat().st_size
+    assert (
+        passed_over[0]
+        == f"checkpoint batch-000003 is damaged ({weights} has {size} bytes, its save wrote {size + 8}): passed over"
+    )
+    assert passed_over[1].startswith(f"checkpoint batch-000002 is damaged ({two / 'metric_rows.json'}: damaged JSON (")
+    assert len(passed_over) == 2
+    (one / "optimizer.bin").unlink()
+    assert checkpoint.latest(tmp_path)[0] is None
+    assert f"({one / 'optimizer.bin'} is missing)" in checkpoint.latest(tmp_path)[1][2]
+
+    checkpoint.save(acc, tmp_path, checkpoint.LoopState(batch=4), {"shuffle_rng": []}, keep=3)
+    optimizer_file = tmp_path / "batch-000004" / "optimizer.bin"
+    optimizer_file.write_bytes(bytes(optimizer_file.stat().st_size))  # the same size, not a pickle any more
+    assert checkpoint.latest(tmp_path) == (tmp_path / "batch-000004", [])
+    with pytest.raises(
+        RuntimeError,
+        match=r"checkpoint \S+/batch-000004 could not be loaded \(\w+: .*\); move it "
+        r"out of \S+ to resume from an older one, or delete \S+ to start over",
+    ):
+        checkpoint.load(acc, tmp_path / "batch-000004")
+
+
 # --- the pipeline and the orchestrator ------------------------------------------------------------------
 
 
@@ -430,13 +503,26 @@ def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
     assert (repo / "dvc.lock").read_bytes() == lock  # the interrupted run is not recorded as done
     assert not list((repo / "data").glob(".prepared.*"))  # no half-written folder
     assert "prepare" in json.loads(run_ok(["dvc", "status", "--json", "prepare"], repo, env))
-    # DVC deletes a stage's outputs before running it; the lock file's version is in the cache and git
-    assert not (repo / "data" / "prepared").exists() and not (repo / "data" / "metrics" / "prepare.json").exists()
-    run_ok(["dvc", "checkout", "prepare"], repo, env)
-    run_ok(["git", "checkout", "--", "data/metrics"], repo, env)
+    # the outputs are `persist: true`: DVC leaves them to the stage, which had not replaced them yet
     assert folder_digest(repo / "data" / "prepared") == before
+    assert not run_ok(["git", "status", "--porcelain", "data/metrics"], repo, env)  # the metrics file as committed
     assert "Running stage 'prepare'" in run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env)
     assert json.loads(run_ok(["dvc", "status", "--json", "prepare"], repo, env)) == {}
+
+    # a bad setting given through DVC fails at the stage's config load, and DVC has removed nothing
+    run_ok(["git", "commit", "-qam", "seed 4321"], repo, env)
+    before, lock = folder_digest(repo / "data"), (repo / "dvc.lock").read_bytes()
+    bad = subprocess.run(
+        ["dvc", "exp", "run", "-S", "++data.n_sft=-5", "prepare"], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert bad.returncode != 0
+    said = bad.stderr + bad.stdout
+    assert (
+        "rlhf prepare: error: invalid configuration:\n  data.n_sft: Input should be greater than 0 (got -5); " in said
+    )
+    assert "params.yaml still holds the value `dvc exp run -S` set: fix it, or `git checkout params.yaml`" in said
+    assert folder_digest(repo / "data") == before and (repo / "dvc.lock").read_bytes() == lock
+    assert "n_sft: -5" in params.read_text()  # what the hint is about: DVC left its -S value there
 
 
 @pytest.fixture

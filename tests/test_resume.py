@@ -105,9 +105,17 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
     if trainer == "online_dpo_vllm":  # the weights of the batch the engine was sampling ahead are kept
         assert (ckpt_dir / "batch-000002" / "engine" / "v000001" / "model.safetensors").is_file()
 
+    if not extra:  # batch 2's weights cut short after the save: its files.json says so, and batch 1 is intact
+        weights = ckpt_dir / "batch-000002" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
     last = run_stage(crashed, trainer, extra=extra)
     assert last.returncode == 0, last.stderr[-3000:]
-    assert "batch-000002 (batch 2)" in last.stdout + last.stderr  # the torn batch-3 checkpoint was never loaded
+    out = last.stdout + last.stderr
+    if extra:
+        assert "batch-000002 (batch 2)" in out  # the torn batch-3 checkpoint was never loaded
+    else:  # the damaged checkpoint is named and passed over for the newest intact one, and the result is the same
+        assert f"checkpoint batch-000002 is damaged ({weights} has " in out and "passed over" in out, out[-3000:]
+        assert "batch-000001 (batch 1)" in out
     assert results(crashed) == results(ci_data)
 
 
@@ -129,7 +137,8 @@ def test_two_ranks_sharing_the_async_engine_resume_exactly(ci_data, tmp_path):
     first = run_stage(crashed, "online_dpo_vllm", crash="after_update:3", processes=2, extra=in_learner)  # ckpts 1-3
     assert killed(first, 2), first.stderr[-3000:]
     [ckpt_dir] = (crashed / "checkpoints").iterdir()
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000002", "batch-000003", "frontier"]  # keep: 2
+    # keep: 2; engine/: the weights of batches in flight, which the checkpoints hold as hard links
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["batch-000002", "batch-000003", "engine", "frontier"]
     kept = sorted(p.name for p in (ckpt_dir / "frontier").iterdir())  # after batches 1-3: 16 episodes a batch
     assert kept == ["episode-0000016", "episode-0000032", "episode-0000048"]
     latest = ckpt_dir / "batch-000003"

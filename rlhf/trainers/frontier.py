@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from rlhf.generation.weights import full_weights
-from rlhf.io import atomic_dir
+from rlhf.io import atomic_dir, link_or_copy
 from rlhf.models.loading import save_policy
 
 FOLDER = "frontier"
@@ -35,12 +35,11 @@ def keep(run, episode: int) -> None:
 
 
 def publish(ckpt_dir: Path, train_dir: Path) -> None:
-    """Move the run's kept policies to data/train/frontier (main process, when the run has finished)."""
-    dest = train_dir / FOLDER
-    shutil.rmtree(dest, ignore_errors=True)
-    dest.mkdir(parents=True)
-    for folder in sorted((ckpt_dir / FOLDER).glob("episode-*")):
-        shutil.move(folder, dest / folder.name)
+    """The run's kept policies as data/train/frontier (main process, when the run has finished), by hard links: the
+    checkpoint folder keeps them until the stage's outputs are all in place (rlhf.io.published_together)."""
+    with atomic_dir(train_dir / FOLDER) as dest:
+        for folder in sorted((ckpt_dir / FOLDER).glob("episode-*")):
+            shutil.copytree(folder, dest / folder.name, copy_function=link_or_copy)
 
 
 def kept_policies(train_dir: Path) -> list[tuple[int, Path]]:

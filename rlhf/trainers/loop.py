@@ -24,11 +24,11 @@ from rlhf.algorithms.common import apply_missing_eos_penalty
 from rlhf.config import Config, config_yaml
 from rlhf.generation.base import Generated
 from rlhf.generation.weights import full_weights
-from rlhf.io import atomic_dir, read_json, write_text
+from rlhf.io import after_publishing, atomic_dir, read_json, write_text
 from rlhf.models.batch import ModelInput, assemble, trim_padding
 from rlhf.models.forward import reference_logprobs, response_logprobs, response_logprobs_and_values
 from rlhf.models.loading import save_policy
-from rlhf.runtime import crash_point
+from rlhf.runtime import crash_point, seconds_since_start
 from rlhf.tracking import Tracker
 from rlhf.trainers import checkpoint, frontier
 from rlhf.trainers.objectives import Rollout
@@ -76,8 +76,8 @@ def train(cfg: Config, engine_process=None) -> dict:
     # Every rank, on success only (a failed rank's peers may still be in a collective): gloo's worker threads
     # must stop while the interpreter is alive, else a rank can abort at exit (SIGABRT) after a good run.
     run.acc.end_training()
-    if run.acc.is_main_process:  # the run's result is saved: its resume points are no longer needed
-        shutil.rmtree(run.ckpt_dir, ignore_errors=True)
+    if run.acc.is_main_process:  # once the run's outputs are in place, its resume points are no longer needed
+        after_publishing(lambda: shutil.rmtree(run.ckpt_dir, ignore_errors=True))
     return final
 
 
@@ -112,7 +112,11 @@ def start(run: Run) -> tuple[checkpoint.LoopState, list[dict]]:
     """A fresh run's state, or the newest checkpoint's (weights, optimizer, RNGs, logged rows); then the engine
     gets the batches it samples ahead of training (none for a synchronous engine)."""
     state, rows = checkpoint.LoopState(), []
-    last = checkpoint.latest(run.ckpt_dir)
+    last, passed_over = checkpoint.latest(run.ckpt_dir)
+    for line in passed_over:
+        run.acc.print(line)
+    if passed_over and last is None:
+        run.acc.print(f"no intact checkpoint in {run.ckpt_dir}: training starts from the beginning")
     if last is not None:
         state, mine = checkpoint.load(run.acc, last, trainable_only=run.lora)
         run.acc.print(f"resumed from {last} (batch {state.batch})")
@@ -184,7 +188,7 @@ def _scores(run: Run, t: int, gen: Generated, inputs: ModelInput, texts: list[st
 
 def _stopped(run: Run, t: int, what: str) -> RuntimeError:
     """The error that stops a run whose numbers went bad at batch t, saying what a re-run resumes from."""
-    c, last = run.cfg.train, checkpoint.latest(run.ckpt_dir)
+    c, last = run.cfg.train, checkpoint.latest(run.ckpt_dir)[0]
     if last is not None:
         where = f"the last good checkpoint, {last}, is intact: fix the cause and run the stage again to resume from it"
     else:
@@ -333,6 +337,7 @@ def _timings(run: Run, state, gen: Generated, clock: Clock) -> dict[str, float]:
         "timing/update": s["update"],
         "timing/weight_sync": s["weight_sync"],
         "timing/step": step,
+        "timing/elapsed": seconds_since_start(),
         "eps": run.sizes.batch / step,
         "train/episode": state.episode,
         "train/global_step": state.global_step,
@@ -366,8 +371,8 @@ def finish(run: Run, tracker: Tracker, state: checkpoint.LoopState) -> dict:
     final = {}
     with full_weights(run.policy) as weights:  # a collective under ZeRO-3: every rank enters it
         if acc.is_main_process:
-            # The outputs go together: the metrics are written while the new policy is still a temporary folder,
-            # so a failure there leaves the previous policy, not a new policy beside old metrics.
+            # The outputs go together (rlhf.io.published_together, which `rlhf train` opens): policy, config,
+            # frontier, metrics and plots move in at the end, or none does.
             frontier.publish(run.ckpt_dir, cfg.path("train"))
             with atomic_dir(cfg.path("train", "policy")) as tmp:
                 save_policy(run.policy, weights, run.tokenizer, tmp)

@@ -83,9 +83,7 @@ class Run:
         c = self.cfg.train
         self.params = SamplingParams(c.k, c.response_length, c.temperature)
         self.shuffle = torch.Generator().manual_seed(self.cfg.rl_seed + 7919 * self.acc.process_index)
-        # Outside data/train, which `dvc repro` deletes before running the stage; keyed by the settings, so a
-        # changed run never resumes from another one's state.
-        self.ckpt_dir = self.cfg.path("checkpoints", f"train-{fingerprint(self.cfg)}")
+        self.ckpt_dir = checkpoint_dir(self.cfg)
 
     @property
     def lora(self) -> bool:
@@ -100,6 +98,12 @@ class Run:
     def prompts_of(self, t: int) -> list[list[int]]:
         """This rank's prompts of generated batch t."""
         return batch_prompts(self.prompts, t, self.sizes, self.acc.process_index, self.cfg.rl_seed)
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    """The run's resume checkpoints: outside data/train, which holds only the stage's outputs; keyed by the settings,
+    so a changed run never resumes from another one's state."""
+    return cfg.path("checkpoints", f"train-{fingerprint(cfg)}")
 
 
 def setup(cfg: Config, engine_process=None) -> Run:
@@ -263,7 +267,7 @@ def _make_engine(
         device=device,
         seed=cfg.rl_seed,
         max_model_len=max(map(len, prompts)) + c.response_length,
-        work_dir=cfg.path("train", "engine"),
+        work_dir=checkpoint_dir(cfg) / "engine",  # weights of batches in flight, for checkpoints (hard-linked)
         max_staleness=c.max_staleness,
         dtype=c.engine_dtype,
         reward=reward if score != "never" else None,
