@@ -1,4 +1,6 @@
-"""Atomic writes: a stage's output either exists whole or not at all (never half-written but valid-looking)."""
+"""Atomic writes: a stage's output either exists whole or not at all (never half-written but valid-looking), and a
+stage's outputs (its folder, metrics, plots, record) move in together at its end, or none does (published_together).
+Also the project's JSON reader, the stage lock and the output-folder check."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rlhf.config import Config
+from rlhf.runtime import env_int, threads_alone
 
 
 def run(cfg: Config) -> dict:
@@ -10,6 +11,12 @@ def run(cfg: Config) -> dict:
 
     # First: an engine in its own process imports vLLM while this process imports the trainer and loads models.
     engine_process = start_engine_process(cfg)
+    if engine_process is None and env_int("WORLD_SIZE", 1, minimum=1) == 1:
+        # Alone on the box (generation in this process, no other training process): every core it may use. Sync
+        # online DPO on `tiny`: 36.5 -> 29.3 s with HF generate, 41.9 -> 32.4 s with vLLM colocated (2 cores).
+        import torch
+
+        torch.set_num_threads(threads_alone())
     try:
         from rlhf.trainers.loop import train
 
