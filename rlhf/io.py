@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import shutil
@@ -184,6 +185,9 @@ def write_json(path: Path | str, obj) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+DAMAGED_FIX = "re-run the step that wrote it, or restore it (`dvc checkout` for a stage's output)"
+
+
 def read_json(path: Path | str):
     """A JSON file the project wrote (metrics, checkpoint state, records). A damaged one (truncated by a crash or a
     full disk, edited by hand) is a ValueError naming the file and the fix, not the parser's bare message."""
@@ -191,8 +195,23 @@ def read_json(path: Path | str):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        fix = "re-run the step that wrote it, or restore it (`dvc checkout` for a stage's output)"
-        raise ValueError(f"{path}: damaged JSON ({e}); {fix}") from e
+        raise ValueError(f"{path}: damaged JSON ({e}); {DAMAGED_FIX}") from e
+
+
+def read_csv(path: Path | str):
+    """A CSV table the project wrote (the plots files), as a DataFrame. A damaged one is a ValueError naming the file
+    and the fix: rows that do not parse, or a file cut short (every table the project writes ends in a newline, and
+    pandas would read a cut-off last row as one with missing values)."""
+    import pandas as pd
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        if not text.endswith("\n"):
+            raise ValueError("cut short: no newline at its end")
+        return pd.read_csv(io.StringIO(text))
+    except (ValueError, UnicodeDecodeError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors
+        raise ValueError(f"{path}: damaged CSV ({str(e).strip().splitlines()[0]}); {DAMAGED_FIX}") from e
 
 
 def package_file(package: str, relative: str, install_hint: str) -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from rlhf.config import DEFAULT_PARAMS, Config, changed_settings, profile_note
-from rlhf.io import atomic_dir, read_json, write_text
+from rlhf.io import atomic_dir, read_csv, read_json, write_text
 from rlhf.tracking import log_results
 
 # The headline metrics per stage, in the order shown: key -> (readable name, unit, what it means).
@@ -316,7 +316,7 @@ def _row(*cells: str, tag: str = "td") -> str:
 
 
 def _read_csv(path) -> pd.DataFrame | None:
-    return pd.read_csv(path) if path.exists() else None
+    return read_csv(path) if path.exists() else None
 
 
 def _format(value) -> str:

@@ -261,9 +261,10 @@ def test_wandb_online_without_a_key_is_one_line(ci_data, tmp_path):
 
 
 def test_a_damaged_json_file_of_our_own_is_named_with_the_fix(ci_data, tmp_path):
-    """Metrics, checkpoint state and records are read back through one reader (rlhf.io.read_json): a truncated or
-    hand-edited one is one line naming the file, not the parser's bare 'Expecting value'."""
-    from rlhf.io import read_json
+    """Metrics, checkpoint state and records are read back through one reader (rlhf.io.read_json), the plots tables
+    through another (read_csv): a truncated or hand-edited one is one line naming the file, not the parser's bare
+    'Expecting value', nor a cut-off row read as missing values."""
+    from rlhf.io import read_csv, read_json
 
     damaged = ci_data / "metrics" / "reward.json"
     damaged.write_text('{"agreement_heldout": 0.7,\n')  # cut off mid-write
@@ -276,6 +277,13 @@ def test_a_damaged_json_file_of_our_own_is_named_with_the_fix(ci_data, tmp_path)
     with pytest.raises(ValueError, match="trainer_state.json: damaged JSON"):
         (ci_data / "trainer_state.json").write_bytes(b"\xff\xfe{")  # not even UTF-8
         read_json(ci_data / "trainer_state.json")
+    table = ci_data / "train.csv"  # the plots tables, read back by the report, the same way
+    table.write_text("train/episode,objective/kl\n16,0.5\n32,0.")  # cut short mid-row
+    with pytest.raises(ValueError, match=rf"{re.escape(str(table))}: damaged CSV \(cut short: no newline at its end\)"):
+        read_csv(table)
+    table.write_text("a,b\n1,2\n3,4,5,6\n")  # a row of more fields than the header
+    with pytest.raises(ValueError, match=r"train.csv: damaged CSV \(Error tokenizing data"):
+        read_csv(table)
 
 
 def test_a_stage_over_inputs_built_with_other_settings_names_the_stage_to_re_run(tmp_path):
