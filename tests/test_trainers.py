@@ -1,12 +1,12 @@
 """The online loop with every preset on the `ci` profile: real data, real tiny models, real accelerate/DeepSpeed."""
 
 import csv
-import gc
+import json
 import math
 import os
 import re
 import subprocess
-from types import SimpleNamespace
+import sys
 
 import pytest
 import torch
@@ -133,28 +133,36 @@ def test_a_run_writes_nothing_into_the_users_home(ci_data, tmp_path):
     assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == []
 
 
-@pytest.mark.parametrize(
-    "engine_process, world, expected",
-    [(None, "1", "cores"), (None, "2", "as set"), (SimpleNamespace(close=lambda at_once: None), "1", "as set")],
-    ids=["alone", "one-of-two-ranks", "beside-an-engine-process"],
-)
-def test_the_train_stage_takes_every_core_only_when_alone(monkeypatch, engine_process, world, expected):
+THREADS_CHILD = """
+import json, os, sys
+from types import SimpleNamespace
+import torch
+from rlhf.config import load_config
+from rlhf.stages import train as stage
+from rlhf.trainers import early, loop
+seen = {}
+# stand-ins for the engine's process and the training itself: what the stage does before them is under test
+loop.train = lambda cfg, engine_process=None: seen.__setitem__(case, torch.get_num_threads()) or {}
+for case, engine_process, world in [("alone", None, "1"), ("one-of-two-ranks", None, "2"),
+                                    ("beside-an-engine-process", SimpleNamespace(close=lambda at_once: None), "1")]:
+    os.environ["WORLD_SIZE"] = world
+    early.start_engine_process = lambda cfg, found=engine_process: found
+    torch.set_num_threads(1)
+    stage.run(load_config(sys.argv[1], "ci"))
+print(json.dumps({"seen": seen, "cores": len(os.sched_getaffinity(0))}))
+"""
+
+
+def test_the_train_stage_takes_every_core_only_when_alone():
     """Generation in the training process and no other training process: the stage uses every core it may (sync
     runs were 1.2-1.3x faster on two threads than one on 2 cores); beside an engine process or another rank, the
-    one thread each that processes sharing the cores want."""
-    from rlhf.stages import train as stage
-    from rlhf.trainers import early, loop
-
-    seen = []
-    monkeypatch.delenv("RLHF_TORCH_THREADS", raising=False)  # the suite's workers set 1
-    monkeypatch.setenv("WORLD_SIZE", world)
-    monkeypatch.setattr(early, "start_engine_process", lambda cfg: engine_process)
-    monkeypatch.setattr(loop, "train", lambda cfg, engine_process=None: seen.append(torch.get_num_threads()) or {})
-    gc.collect()  # an engine an earlier test left to the collector gives its core back now, not during this test
-    before, cores = torch.get_num_threads(), len(os.sched_getaffinity(0))
-    try:
-        torch.set_num_threads(1)
-        stage.run(load_config(ROOT / "params.yaml", "ci"))
-    finally:
-        torch.set_num_threads(before)
-    assert seen == [cores if expected == "cores" else 1]
+    one thread each that processes sharing the cores want. In a fresh interpreter, as `rlhf train` runs: a test
+    process that has hosted vLLM's CPU worker keeps torch at the thread count that worker bound."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RLHF_TORCH_THREADS", "RLHF_WARM_PYTHON", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, "-c", THREADS_CHILD, str(ROOT / "params.yaml")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["seen"] == {"alone": result["cores"], "one-of-two-ranks": 1, "beside-an-engine-process": 1}
