@@ -35,28 +35,7 @@ class Publication:
         return None
 
     def commit(self) -> None:
-        for final, tmp in self.staged.items():  # nothing moves if one output cannot
-            _check_nothing_in_the_way(tmp, final)
-        done: list[list] = []  # [final, the previous one set aside or None, whether the new one moved in]
-        try:
-            for final, tmp in self.staged.items():
-                aside = final.with_name(f".{final.name}.old-{os.getpid()}") if os.path.lexists(final) else None
-                if aside is not None:
-                    _remove(aside)
-                    os.replace(final, aside)
-                done.append([final, aside, False])
-                os.replace(tmp, final)
-                done[-1][2] = True
-        except BaseException:
-            for final, aside, moved_in in reversed(done):
-                if moved_in:
-                    _remove(final)
-                if aside is not None:
-                    os.replace(aside, final)
-            raise
-        for _, aside, _ in done:
-            if aside is not None:
-                _remove(aside)
+        _move_in(self.staged)
 
     def discard(self) -> None:
         for tmp in self.staged.values():
@@ -123,17 +102,41 @@ def _temporary(path: Path, publication: Publication | None) -> Path:
 
 def _place(tmp: Path, path: Path, publication: Publication | None) -> None:
     """Move the complete `tmp` to `path`: at once, or with the publication's other outputs."""
-    if publication is not None:
-        if publication.staged.get(path, tmp) != tmp:
-            _remove(publication.staged[path])  # written twice in one run: the later one counts
-        publication.staged[path] = tmp
+    if publication is None:
+        if tmp.is_file() and not path.is_dir():
+            os.replace(tmp, path)  # a file replaces a file in one rename: it is never missing
+        else:
+            _move_in({path: tmp})
         return
-    _check_nothing_in_the_way(tmp, path)
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    if path.is_dir():  # a file replaces a file in one rename; a folder needs the old one set aside first
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _remove(old)
+    if publication.staged.get(path, tmp) != tmp:
+        _remove(publication.staged[path])  # written twice in one run: the later one counts
+    publication.staged[path] = tmp
+
+
+def _move_in(staged: dict[Path, Path]) -> None:
+    """Move each complete temporary to its final path (final -> temporary), all or none: the previous ones are set
+    aside until every new one is in, and put back if a move fails."""
+    for final, tmp in staged.items():  # nothing moves if one output cannot
+        _check_nothing_in_the_way(tmp, final)
+    aside: dict[Path, Path] = {}  # final -> where its previous version waits
+    moved_in: list[Path] = []
+    try:
+        for final, tmp in staged.items():
+            if os.path.lexists(final):
+                old = final.with_name(f".{final.name}.old-{os.getpid()}")
+                _remove(old)
+                os.replace(final, old)
+                aside[final] = old
+            os.replace(tmp, final)
+            moved_in.append(final)
+    except BaseException:
+        for final in moved_in:
+            _remove(final)
+        for final, old in aside.items():
+            os.replace(old, final)
+        raise
+    for old in aside.values():
+        _remove(old)
 
 
 def _check_nothing_in_the_way(tmp: Path, final: Path) -> None:

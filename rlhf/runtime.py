@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -50,9 +51,16 @@ def seconds_since_start() -> float:
     """Wall-clock seconds since this process started, as the kernel recorded it (interpreter start included)."""
     import time
 
+    return time.time() - _process_start(os.getpid())
+
+
+@functools.cache
+def _process_start(pid: int) -> float:
+    """Process `pid`'s start as a Unix time, read from the kernel once (the training loop asks every iteration;
+    keyed by pid, so a forked child never reads its parent's)."""
     import psutil
 
-    return time.time() - psutil.Process().create_time()
+    return psutil.Process(pid).create_time()
 
 
 def configure() -> None:
