@@ -54,7 +54,7 @@ def main() -> None:
     from rlhf.data.schemas import EvalPrompts
     from rlhf.data.splits import load_split
     from rlhf.generation.base import SamplingParams
-    from rlhf.generation.factory import make_engine
+    from rlhf.generation.factory import local_spec, make_engine
     from rlhf.generation.hf import HFEngine
     from rlhf.io import write_json
     from rlhf.models.loading import load_causal_lm, load_tokenizer
@@ -89,7 +89,7 @@ def main() -> None:
     hf_seconds, hf_tokens = run_engine(hf, batches, params, eos)
     work = ROOT / ".cache" / "bench" / "engine"
     limits = dict(seed=0, max_model_len=max_len, work_dir=work, dtype=args.dtype)
-    engine = make_engine("vllm", None, folder, tokenizer, device=device, **limits)
+    engine = make_engine(local_spec("vllm", folder, tokenizer, device, **limits))
     try:
         run_engine(engine, [warm_up], params, eos)
         vllm_seconds, vllm_tokens = run_engine(engine, batches, params, eos)

@@ -36,7 +36,7 @@ def main() -> None:
 
     from rlhf.data.math import problems
     from rlhf.generation.base import SamplingParams
-    from rlhf.generation.factory import make_engine
+    from rlhf.generation.factory import local_spec, make_engine
     from rlhf.io import write_json
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.rule import rule_score
@@ -51,10 +51,8 @@ def main() -> None:
     results = {}
     for chat in (False, True):
         ids = prompts_for(tok, df["prompt"].tolist(), chat)
-        engine = make_engine(
-            "vllm", None, folder, tok, device=torch.device("cpu"), seed=0,
-            max_model_len=max(map(len, ids)) + args.max_new_tokens, work_dir=folder,
-        )  # fmt: skip
+        longest = max(map(len, ids)) + args.max_new_tokens
+        engine = make_engine(local_spec("vllm", folder, tok, torch.device("cpu"), seed=0, max_model_len=longest))
         try:
             engine.submit(ids, SamplingParams(k=1, max_new_tokens=args.max_new_tokens, temperature=0.0))
             responses = engine.receive().responses

@@ -271,7 +271,7 @@ def logprobs_after_sync(sft: Path) -> int:
     import torch
 
     from rlhf.generation.base import SamplingParams
-    from rlhf.generation.factory import make_engine
+    from rlhf.generation.factory import local_spec, make_engine
     from rlhf.models import loading
     from rlhf.models.batch import assemble
     from rlhf.models.forward import reference_logprobs
@@ -281,7 +281,7 @@ def logprobs_after_sync(sft: Path) -> int:
     model = loading.load_causal_lm(sft).to(cuda).eval()
     before = copy.deepcopy(model)
     work = Path(tempfile.mkdtemp())
-    engine = make_engine("vllm", model, sft, tok, device=cuda, seed=0, max_model_len=64, work_dir=work, dtype="auto")
+    engine = make_engine(local_spec("vllm", sft, tok, cuda, seed=0, max_model_len=64, work_dir=work, dtype="auto"))
     with torch.no_grad():
         for p in model.parameters():  # a training step's worth of change, and more: visible in every log-prob
             p.add_(torch.randn_like(p) * 0.2 * p.abs().mean())

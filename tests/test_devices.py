@@ -119,8 +119,10 @@ def test_the_async_engine_scores_and_computes_the_reference_on_its_device(ci_dat
     """The engine process's post-processing (rlhf.generation.engine_process.Scorer) run here on the guard device:
     the sampled responses arrive in host memory, the reward model and the reference run on the engine's device,
     and the results leave as numpy arrays, copied to the host first."""
-    from rlhf.generation.base import ReferenceSpec, SamplingParams
-    from rlhf.generation.engine_process import EngineSpec, Scorer
+    from dataclasses import replace
+
+    from rlhf.generation.base import EngineSpec, ReferenceSpec, SamplingParams
+    from rlhf.generation.engine_process import Scorer
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.proxy import RewardSpec
 
@@ -128,7 +130,8 @@ def test_the_async_engine_scores_and_computes_the_reference_on_its_device(ci_dat
     reward = RewardSpec("proxy", str(ci_data / "reward" / "model"))
     ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     reference = ReferenceSpec(temperature=0.7)
-    spec = EngineSpec(str(ci_data / "sft"), **ids, seed=0, max_model_len=64, reward=reward, reference=reference)
+    spec = EngineSpec("vllm_async", str(ci_data / "sft"), **ids, seed=0, max_model_len=64)
+    spec = replace(spec, reward=reward, reference=reference)
     prompts = [tokenizer("the film was")["input_ids"], tokenizer("a")["input_ids"]]
     responses = torch.randint(4, 40, (4, 6))  # 2 prompts x k=2, in host memory as vLLM returns them
     with training_device_elsewhere() as audit:

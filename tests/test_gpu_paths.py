@@ -12,8 +12,8 @@ import torch
 
 from rlhf.config import LoraConfig, ModelConfig
 from rlhf.generation import engine_process
-from rlhf.generation.base import ReferenceSpec
-from rlhf.generation.engine_process import MIN_KV_CACHE_BYTES, EngineSpec, engine_memory_share
+from rlhf.generation.base import EngineSpec, Placement, ReferenceSpec
+from rlhf.generation.engine_process import MIN_KV_CACHE_BYTES, engine_memory_share
 from rlhf.models import loading, lora, tiny
 from rlhf.rewards.proxy import ProxyReward, RewardSpec
 from rlhf.runtime import visible_gpus
@@ -100,8 +100,9 @@ def test_the_engine_process_loads_its_scorer_first_and_gives_vllm_what_is_left(m
     monkeypatch.setattr(engine_process, "VLLMEngine", VLLMOnAGpu)
     monkeypatch.setattr(engine_process, "folder_parameters", lambda folder: PYTHIA["1b"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H100))
-    spec = EngineSpec("unused", 0, 0, 0, 64, reward=object(), dtype="bfloat16", device="cuda:1")
-    engine_process.build(EngineSpec(**{**spec.__dict__, "gpu_memory_utilization": 0.9}), "cuda:0")
+    where = Placement("cuda:1", True, 0.9)
+    spec = EngineSpec("vllm_async", "unused", 0, 0, 0, 64, where=where, reward=object(), dtype="bfloat16")
+    engine_process.build(spec, "cuda:0")
     assert order == ["scorer", ("engine", pytest.approx(0.9 - 9 / 80), "cuda:0")]
 
 
@@ -113,7 +114,7 @@ def test_the_scorer_holds_its_models_in_the_training_precision(tmp_path):
     scorers = {}
     for bf16 in (False, True):
         spec = EngineSpec(
-            str(tmp_path / "policy"), tok.eos_token_id, tok.pad_token_id, 0, 64,
+            "vllm_async", str(tmp_path / "policy"), tok.eos_token_id, tok.pad_token_id, 0, 64,
             reward=RewardSpec("proxy", str(tmp_path / "rm"), bf16=bf16), reference=ReferenceSpec(1.0, bf16),
         )  # fmt: skip
         scorers[bf16] = engine_process.Scorer(spec, torch.device("cpu"))
@@ -219,11 +220,10 @@ def test_an_engine_on_a_gpu_the_learner_uses_is_built_after_the_learners_models(
     assert not placement("vllm_async", "cpu", None, 1, gpu0).shares_gpu
 
     made = []
-    monkeypatch.setattr(setup, "_make_engine", lambda *args: made.append(args[7]) or "engine")
+    monkeypatch.setattr(setup, "make_engine", lambda spec, process: made.append(spec.where) or "engine")
     for device in ("cuda:0", "cuda:1"):
         where = placement("vllm_async", device, None, 1, gpu0)
-        monkeypatch.setattr(setup, "own_process_engine", lambda cfg, where=where: ("vllm_async", where, gpu0))
-        early = setup._start_engine_early(None, None, [], None, None)
+        early = setup._start_engine_early(EngineSpec("vllm_async", "sft", 1, 0, 0, 64, where=where), None)
         assert (early, made[-1:]) == ((None, []) if where.shares_gpu else ("engine", [where]))
 
 

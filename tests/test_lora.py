@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from rlhf.config import LoraConfig, ModelConfig
 from rlhf.generation.base import SamplingParams
-from rlhf.generation.factory import make_engine
+from rlhf.generation.factory import local_spec, make_engine
 from rlhf.models import loading, lora, tiny
 from rlhf.trainers.loop import train
 from rlhf.trainers.setup import setup
@@ -87,8 +87,7 @@ def test_a_lora_ppo_run_steps_adapters_and_value_only_and_exports_a_merged_polic
         assert (exported(input_ids=ids).logits - sft(input_ids=ids).logits).abs().max() > 1e-3  # it trained
 
     tok = loading.load_tokenizer(policy)  # vLLM loads the exported folder as it is
-    engine = make_engine("vllm", None, policy, tok, device=torch.device("cpu"), seed=0, max_model_len=32,
-                         work_dir=ci_data / "engine")  # fmt: skip
+    engine = make_engine(local_spec("vllm", policy, tok, torch.device("cpu"), seed=0, max_model_len=32))
     try:
         gen = engine.generate([ids[0].tolist()], SamplingParams(1, 6, 0.0), batch=0)
     finally:

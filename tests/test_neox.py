@@ -22,7 +22,7 @@ import torch
 from test_vllm_engines import CPU, MAX_MODEL_LEN, SEED, SMALL, TEXTS, prompt_ids
 
 from rlhf.generation.base import ReferenceSpec, SamplingParams
-from rlhf.generation.factory import make_engine
+from rlhf.generation.factory import local_spec, make_engine
 from rlhf.generation.hf import HFEngine
 from rlhf.models import loading, tiny
 from rlhf.models.batch import assemble
@@ -105,8 +105,7 @@ def test_colocated_vllm_engine_takes_every_neox_tensor(neox, tmp_path):
     folder, tok = neox
     learner = loading.load_causal_lm(folder)  # the trainer's policy exists before its colocated engine
     start = time.perf_counter()
-    limits = dict(device=CPU, seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path)
-    engine = make_engine("vllm", None, folder, tok, **limits)
+    engine = make_engine(local_spec("vllm", folder, tok, CPU, seed=SEED, max_model_len=MAX_MODEL_LEN))
     print(f"\ncolocated vLLM GPT-NeoX engine start: {time.perf_counter() - start:.1f} s")
     try:
         assert_each_tensor_syncs(engine, learner, tok)
@@ -124,7 +123,7 @@ def test_async_vllm_engine_takes_every_neox_tensor(neox, tmp_path):
     loading.save_pretrained(loading.reward_model_from_causal(folder), tok, tmp_path / "rm")
     scoring = dict(reward=RewardSpec("proxy", str(tmp_path / "rm")), reference=ReferenceSpec(PARAMS.temperature))
     limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path / "work", max_staleness=1)
-    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits, **scoring, score="always")
+    engine = make_engine(local_spec("vllm_async", folder, tok, CPU, **limits, **scoring, score="always"))
     try:
         engine.wait_ready()
         assert_each_tensor_syncs(engine, loading.load_causal_lm(folder), tok)

@@ -30,7 +30,7 @@ from transformers import AutoConfig
 from rlhf.config import LoraConfig, ModelConfig
 from rlhf.generation.async_engine import EngineProcess
 from rlhf.generation.base import SamplingParams
-from rlhf.generation.factory import make_engine
+from rlhf.generation.factory import local_spec, make_engine
 from rlhf.generation.transfer import shm_copies
 from rlhf.generation.vllm import cpu_kv_cache_bytes, request_seed
 from rlhf.models import loading, tiny
@@ -68,7 +68,7 @@ def colocated(policy, tmp_path_factory):
     folder, tok = policy
     start = time.perf_counter()
     work = tmp_path_factory.mktemp("colocated_work")
-    engine = make_engine("vllm", None, folder, tok, device=CPU, seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=work)
+    engine = make_engine(local_spec("vllm", folder, tok, CPU, seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=work))
     print(f"\ncolocated vLLM engine start: {time.perf_counter() - start:.1f} s (LLM() {engine.start_seconds:.1f} s)")
     yield engine
     engine.close()
@@ -333,7 +333,7 @@ def _make_async(policy, tmp_path_factory, n):
     process = EngineProcess("cpu", max_staleness=n) if n == 1 else None
     if process is not None and len(cores) > 1:  # the trainer leaves the engine its core
         assert os.sched_getaffinity(0) == set(sorted(cores)[:-1])
-    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits, process=process)
+    engine = make_engine(local_spec("vllm_async", folder, tok, CPU, **limits), process)
     engine.wait_ready()
     print(
         f"\nasync (N={n}) engine ready after {time.perf_counter() - start:.1f} s (LLM() {engine.start_seconds:.1f} s)"
@@ -362,7 +362,7 @@ def ray2(policy, tmp_path_factory):
     start = time.perf_counter()
     work = tmp_path_factory.mktemp("ray2_work")
     limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=work, max_staleness=1)
-    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits, backend="ray", num_engines=2)
+    engine = make_engine(local_spec("vllm_async", folder, tok, CPU, **limits, backend="ray", num_engines=2))
     engine.wait_ready()
     print(f"\nray (E=2, N=1) engines ready after {time.perf_counter() - start:.1f} s")
     yield engine
@@ -534,7 +534,7 @@ def test_an_engine_that_does_not_start_in_time_names_the_limit_and_is_stopped(po
     folder, tok = policy
     monkeypatch.setenv("RLHF_ENGINE_START_TIMEOUT", "1")
     limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path, max_staleness=1)
-    engine = make_engine("vllm_async", None, folder, tok, device=CPU, **limits)
+    engine = make_engine(local_spec("vllm_async", folder, tok, CPU, **limits))
     with pytest.raises(RuntimeError, match=r"did not start within 1 s \(on a slow machine, set RLHF_ENGINE_START_TIME"):
         engine.wait_ready()
     assert not engine._process.alive()

@@ -70,8 +70,8 @@ from pathlib import Path
 
 import torch
 
-from rlhf.generation.base import Generated, SamplingParams
-from rlhf.generation.engine_process import POLL_SECONDS, EngineSpec, engine_process_main
+from rlhf.generation.base import EngineSpec, Generated, SamplingParams
+from rlhf.generation.engine_process import POLL_SECONDS, engine_process_main
 from rlhf.generation.transfer import check_shm_room, free_bytes, shm_copies
 from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapshot, weight_bytes, write_snapshot
 from rlhf.runtime import env_int, give_back_cores, keep_off_cores
@@ -179,28 +179,19 @@ class AsyncEngine:
     """The Engine protocol over a VLLMEngine in its own process (or E of them as Ray actors: the channel decides);
     lookahead = max_staleness (N >= 0)."""
 
-    def __init__(
-        self,
-        spec: EngineSpec,
-        work_dir: Path,
-        max_staleness: int,
-        score: str = "always",
-        start_timeout: float | None = None,
-        process=None,
-    ):
-        """spec: the engine to build (rlhf.generation.engine_process); work_dir: where checkpoints' copies of the
-        weights in flight are written; process: its channel (start_engine), started earlier for this spec's device
-        and max_staleness (else an engine process is started now); start_timeout: seconds the engine may take to
-        build (None: RLHF_ENGINE_START_TIMEOUT, default 600; a slow machine took 4-6 min for a tiny model)."""
-        if max_staleness < 0:
-            raise ValueError(f"AsyncEngine: max_staleness must be >= 0, got {max_staleness}")
-        if process is not None and (process.device, process.max_staleness) != (spec.device, max_staleness):
+    def __init__(self, spec: EngineSpec, process, start_timeout: float | None = None):
+        """spec: the engine to build, in spec.work_dir the checkpoints' copies of the weights in flight; process: its
+        channel (start_engine), started for spec.device and spec.lookahead; start_timeout: seconds the engine may
+        take to build (None: RLHF_ENGINE_START_TIMEOUT, default 600; a slow machine took 4-6 min for a tiny model)."""
+        max_staleness = spec.lookahead
+        if (process.device, process.max_staleness) != (spec.device, max_staleness):
             raise ValueError(
                 f"AsyncEngine: the process was started for {process.device} with max_staleness "
                 f"{process.max_staleness}, the engine needs {spec.device} and {max_staleness}"
             )
         self.lookahead = max_staleness
-        self.work_dir = Path(work_dir)
+        self.work_dir = Path(spec.work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
         self._next_batch = 0  # the batch index (seeds) of the next submit
         self._pending: deque[int] = deque()  # submitted batch indices not yet received, oldest first
         self._ready: dict[int, tuple[Generated, dict]] = {}  # results read while waiting for something else
@@ -210,13 +201,13 @@ class AsyncEngine:
         self._shm_checked = False
         self._stats: dict[str, float] = {}
         self._snapshot_seconds = 0.0
-        self._score = score if spec.reward is not None else "never"
+        self._score = spec.score if spec.reward is not None else "never"
         # score_in_engine auto: moving averages, seconds per batch, of who waits for whom since the scoring last
         # moved, and of what scoring costs the engine; where the next batch is scored
         self._learner_wait = self._engine_idle = self._scoring_cost = 0.0
         self._engine_scores, self._filled = self._score != "never", False
         self.start_seconds = float("nan")
-        self._process = process or EngineProcess(spec.device, max_staleness)
+        self._process = process
         self._finalizer = weakref.finalize(self, _close, self._process, self.work_dir)
         self._finalizer.atexit = False  # as EngineProcess: before multiprocessing's exit hook
         atexit.register(self._finalizer)

@@ -30,6 +30,54 @@ class ReferenceSpec:
     autocast_bf16: bool = False  # the learner trains under bf16 autocast: its reference computes under it too
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a vLLM engine runs (rlhf.generation.factory.placement). device: "cpu" or "cuda:<i>"; own_process: in a
+    process of its own (vllm_async, or colocated beside several training processes, or on another device than
+    training); gpu_memory_utilization: vLLM's share of the GPU (None on CPU); ray_gpus: Ray engines on GPUs, the GPUs
+    of this node a local Ray cluster may give them (those after the training ranks'; rank 0's when there is none
+    other); shares_gpu: on a GPU a training process uses too, so it is built after the learner placed its models
+    (vLLM sizes its KV cache from the memory it finds free at start: built earlier, its budget would depend on how
+    far the learner had got)."""
+
+    device: str
+    own_process: bool
+    gpu_memory_utilization: float | None
+    ray_gpus: tuple[int, ...] | None = None
+    shares_gpu: bool = False
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything that builds a vLLM engine (rlhf.generation.factory.make_engine), decided once. Picklable: an engine
+    in its own process (or a Ray actor) receives it as it is and builds from it."""
+
+    name: str  # train.engine: "vllm" (colocated, lookahead 0) or "vllm_async" (samples max_staleness batches ahead)
+    model_folder: str  # the HF safetensors folder vLLM starts from: weight version 0
+    eos_token_id: int
+    pad_token_id: int
+    seed: int
+    max_model_len: int
+    where: Placement = Placement("cpu", False, None)
+    work_dir: Path | None = None  # an engine in its own process: checkpoints' copies of the weights in flight go here
+    max_staleness: int = 1
+    dtype: str = "float32"  # "auto": bf16 on a GPU, float32 on the CPU (factory.make_engine resolves it)
+    reward: object = None  # a rlhf.rewards.proxy.RewardSpec: score batches in the engine's own process
+    reference: ReferenceSpec | None = None  # and compute their reference log-probs there too
+    score: str = "never"  # train.score_in_engine where it applies: never, auto or always
+    backend: str = "process"  # an engine in its own process: "process", or Ray actors ("ray")
+    num_engines: int = 1  # Ray actors sampling slices of each batch
+
+    @property
+    def device(self) -> str:
+        return self.where.device
+
+    @property
+    def lookahead(self) -> int:
+        """Batches sampled ahead of training: max_staleness for vllm_async, else 0."""
+        return self.max_staleness if self.name == "vllm_async" else 0
+
+
 @dataclass
 class Generated:
     responses: torch.Tensor  # (B*K, T) raw sampled tokens, right-padded with pad_token_id to T = max_new_tokens

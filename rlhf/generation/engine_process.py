@@ -14,34 +14,17 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rlhf.generation.base import ReferenceSpec
+from rlhf.generation.base import EngineSpec
 from rlhf.generation.vllm import VLLMEngine, import_engine_code
 from rlhf.runtime import visible_gpus
 
 POLL_SECONDS = 0.5  # how often a waiting side checks that the other one is still alive
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What the engine process needs to build its VLLMEngine (picklable)."""
-
-    model_folder: str
-    eos_token_id: int
-    pad_token_id: int
-    seed: int
-    max_model_len: int
-    reward: object = None  # a rlhf.rewards.proxy.RewardSpec: score batches in the engine process
-    reference: ReferenceSpec | None = None  # and compute their reference log-probs there too
-    dtype: str = "float32"
-    device: str = "cpu"  # "cpu" or "cuda:<i>": the process sees only that GPU (given at spawn too)
-    gpu_memory_utilization: float | None = None  # vLLM's share of that GPU
 
 
 MIN_KV_CACHE_BYTES = 2**30  # the least KV cache an engine is started with: below it, it samples a few rows at a time
@@ -120,7 +103,7 @@ def build(spec: EngineSpec, device: str) -> tuple[VLLMEngine, Scorer | None]:
     """The engine `spec` describes, on `device` as this process numbers it, and its scorer when it scores. The
     scorer loads first, and on a GPU its bytes come out of vLLM's share (factory.engine_memory_share)."""
     scorer = Scorer(spec, torch.device(device)) if spec.reward is not None else None
-    memory = spec.gpu_memory_utilization
+    memory = spec.where.gpu_memory_utilization
     if memory is not None and device.startswith("cuda"):
         total = torch.cuda.get_device_properties(device).total_memory
         weights = folder_parameters(Path(spec.model_folder)) * getattr(torch, spec.dtype).itemsize

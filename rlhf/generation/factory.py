@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from rlhf.generation.base import Engine, ReferenceSpec
+from rlhf.generation.base import Engine, EngineSpec, Placement
 
 OWN_GPU_MEMORY, SHARED_GPU_MEMORY = 0.9, 0.3  # vLLM's share of a GPU it has to itself / shares with training
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a vLLM engine runs. device: "cpu" or "cuda:<i>"; own_process: in a process of its own (vllm_async,
-    or colocated beside several training processes, or on another device than training); gpu_memory_utilization:
-    vLLM's share of the GPU (None on CPU); ray_gpus: Ray engines on GPUs, the GPUs of this node a local Ray cluster
-    may give them (those after the training ranks'; rank 0's when there is none other); shares_gpu: on a GPU a
-    training process uses too, so it is built after the learner placed its models (vLLM sizes its KV cache from the
-    memory it finds free at start: built earlier, its budget would depend on how far the learner had got)."""
-
-    device: str
-    own_process: bool
-    gpu_memory_utilization: float | None
-    ray_gpus: tuple[int, ...] | None = None
-    shares_gpu: bool = False
 
 
 def placement(
@@ -86,90 +70,45 @@ def lookahead(name: str, max_staleness: int) -> int:
     return max_staleness if name == "vllm_async" else 0
 
 
-def make_engine(
-    name: str,
-    model: torch.nn.Module,
-    model_folder: Path,
-    tokenizer,
-    *,
-    device: torch.device,
-    seed: int,
-    max_model_len: int,
-    work_dir: Path,
-    max_staleness: int = 1,
-    dtype: str = "float32",
-    reward=None,
-    reference: ReferenceSpec | None = None,
-    score: str = "never",
-    where: Placement | None = None,
-    process=None,
-    backend: str = "process",
-    num_engines: int = 1,
-) -> Engine:
-    """An engine for rlhf.presets.ENGINES `name`.
-
-    hf: HF generate on `model` itself (the training model, on `device`: nothing to copy). vllm / vllm_async: a vLLM
-    engine started from the HF safetensors folder `model_folder` (version 0, the weights `model` starts from),
-    placed as `where` says (default: beside one training process on `device`). vllm_async samples up to
-    `max_staleness` batches ahead in its own process, writing the weights of batches in flight to `work_dir` when
-    a checkpoint asks; given `reward` (a rlhf.rewards.proxy.RewardSpec) it can score batches there too, as
-    `score` says, and compute their reference log-probs given `reference` (rlhf.generation.async_engine). `process`:
-    the channel to that engine started earlier (async_engine.start_engine: it has imported vLLM meanwhile); else
-    one is started here: an engine process, or `num_engines` Ray actors with `backend` "ray".
-    """
+def token_ids(tokenizer) -> dict[str, int]:
+    """The eos and pad token ids every engine needs, from `tokenizer`; ValueError when it lacks one."""
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ValueError(
             f"the tokenizer needs eos and pad tokens (eos={tokenizer.eos_token_id}, pad={tokenizer.pad_token_id})"
         )
-    ids = dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if name == "hf":
-        from rlhf.generation.hf import HFEngine
+    return dict(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
 
-        return HFEngine(model, device=device, **ids)
-    if name not in ("vllm", "vllm_async"):
-        raise ValueError(f"train.engine: unknown engine {name!r} (expected hf, vllm or vllm_async)")
-    model_folder, work_dir = Path(model_folder), Path(work_dir)
-    where = where or placement(name, "auto", None, 1, device)
-    if dtype == "auto":  # bf16 where it is native (GPUs); on these CPUs float32 (docs/gpu.md)
-        dtype = "bfloat16" if where.device.startswith("cuda") else "float32"
-    if not (model_folder / "config.json").is_file():
+
+def local_spec(name: str, model_folder: Path, tokenizer, device: torch.device, **settings) -> EngineSpec:
+    """The spec of vLLM engine `name` beside one process on `device` (a stage, a benchmark, a test); `settings`: the
+    other EngineSpec fields. The trainer places its engine beside all its ranks instead (rlhf.trainers.early)."""
+    where = placement(name, "auto", None, 1, device)
+    return EngineSpec(name, str(model_folder), **token_ids(tokenizer), where=where, **settings)
+
+
+def make_engine(spec: EngineSpec, process=None) -> Engine:
+    """The vLLM engine `spec` describes, started from its model folder (version 0): a VLLMEngine in this process,
+    or, where spec.where says it runs in its own, an AsyncEngine (rlhf.generation.async_engine) over `process`,
+    the channel started earlier for it (start_engine: it imported vLLM meanwhile), else one started now.
+    The HF engine needs no spec: rlhf.generation.hf.HFEngine samples from the training model itself."""
+    if spec.name not in ("vllm", "vllm_async"):
+        raise ValueError(f"train.engine: unknown vLLM engine {spec.name!r} (expected vllm or vllm_async)")
+    if spec.dtype == "auto":  # bf16 where it is native (GPUs); on these CPUs float32 (docs/gpu.md)
+        spec = replace(spec, dtype="bfloat16" if spec.device.startswith("cuda") else "float32")
+    if not (Path(spec.model_folder) / "config.json").is_file():
         raise FileNotFoundError(
-            f"{model_folder / 'config.json'}: missing; the vLLM engine needs a saved HF model folder"
+            f"{Path(spec.model_folder) / 'config.json'}: missing; the vLLM engine needs a saved HF model folder"
         )
-    if name == "vllm_async" and max_staleness < 1:
-        raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {max_staleness}")
-    common = dict(seed=seed, max_model_len=max_model_len, dtype=dtype, **ids)
-    scoring = dict(reward=reward, reference=reference)  # an engine in its own process only
-    ahead = lookahead(name, max_staleness)
-    if process is None and where.own_process:
-        from rlhf.generation.async_engine import start_engine
-
-        process = start_engine(where, ahead, backend, num_engines)
-    return _vllm_engine(model_folder, common, where, ahead, work_dir, scoring, score, process)
-
-
-def _vllm_engine(
-    model_folder: Path,
-    common: dict,
-    where: Placement,
-    ahead: int,
-    work_dir: Path,
-    scoring: dict,
-    score: str,
-    process=None,
-):
-    """VLLMEngine in this process, or in its own behind an AsyncEngine, as `where` says."""
-    if not where.own_process:
+    if spec.name == "vllm_async" and spec.max_staleness < 1:
+        raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {spec.max_staleness}")
+    if not spec.where.own_process:
         from rlhf.generation.vllm import VLLMEngine
 
-        return VLLMEngine(
-            model_folder, gpu_memory_utilization=where.gpu_memory_utilization, device=where.device, **common
-        )
-    from rlhf.generation.async_engine import AsyncEngine
-    from rlhf.generation.engine_process import EngineSpec
+        memory = spec.where.gpu_memory_utilization
+        ids = dict(eos_token_id=spec.eos_token_id, pad_token_id=spec.pad_token_id)
+        common = dict(seed=spec.seed, max_model_len=spec.max_model_len, dtype=spec.dtype, **ids)
+        return VLLMEngine(Path(spec.model_folder), gpu_memory_utilization=memory, device=spec.device, **common)
+    from rlhf.generation.async_engine import AsyncEngine, start_engine
 
-    memory = where.gpu_memory_utilization
-    spec = EngineSpec(str(model_folder), **common, **scoring, device=where.device, gpu_memory_utilization=memory)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    score = score if spec.reward is not None else "never"
-    return AsyncEngine(spec, work_dir, max_staleness=ahead, score=score, process=process)
+    process = process or start_engine(spec.where, spec.lookahead, spec.backend, spec.num_engines)
+    return AsyncEngine(spec, process)

@@ -69,20 +69,11 @@ def stage_engine(
     if kind == "hf":
         yield None
         return
-    from rlhf.generation.factory import make_engine
+    from rlhf.generation.factory import local_spec, make_engine
 
     ids = tokenizer(list(prompts))["input_ids"] if isinstance(prompts[0], str) else prompts
-    longest = max(map(len, ids))
-    engine = make_engine(
-        "vllm",
-        None,
-        folder,
-        tokenizer,
-        device=device,
-        seed=seed,
-        max_model_len=longest + max_new_tokens,
-        work_dir=folder,  # only an async engine writes there
-    )
+    longest = max(map(len, ids)) + max_new_tokens
+    engine = make_engine(local_spec("vllm", folder, tokenizer, device, seed=seed, max_model_len=longest))
     try:
         yield engine
     finally:

@@ -23,26 +23,31 @@ def launch() -> tuple[int, int, torch.device]:
     return rank, world, torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def own_process_engine(cfg: Config) -> tuple[str, Placement, torch.device] | None:
-    """(engine name, its placement, this rank's device) when this rank runs a vLLM engine in a process of its own
-    (rank 0: vllm_async, or vllm beside several training processes or on another device); else None."""
+def engine_placement(cfg: Config) -> tuple[str, Placement | None]:
+    """(train.engine as the trainer resolves it, where its vLLM engine runs beside this launch's training processes;
+    None for the HF engine, which samples from the training model itself). The one place the trainer's engine is
+    placed: this stage's early start and the trainer's setup both ask here."""
     name = resolve(cfg.train.trainer, cfg.train.engine)[1]
     if name == "hf":
-        return None
-    rank, world, device = launch()
+        return name, None
+    _, world, device = launch()
     c = cfg.train
-    where = placement(name, c.engine_device, c.engine_gpu_memory_utilization, world, device, c.engine_backend)
-    return (name, where, device) if rank == 0 and where.own_process else None
+    return name, placement(name, c.engine_device, c.engine_gpu_memory_utilization, world, device, c.engine_backend)
+
+
+def holds_own_process(where: Placement | None) -> bool:
+    """This rank holds an engine in a process of its own (rank 0: vllm_async, or vllm beside several training
+    processes or on another device)."""
+    return where is not None and where.own_process and launch()[0] == 0
 
 
 def start_engine_process(cfg: Config):
     """That engine's channel (rlhf.generation.async_engine.start_engine: its process, or its Ray actors), importing
     vLLM from now on; or None."""
-    found = own_process_engine(cfg)
-    if found is None:
+    name, where = engine_placement(cfg)
+    if not holds_own_process(where):
         return None
     from rlhf.generation.async_engine import start_engine
 
-    name, where, _ = found
     c = cfg.train
     return start_engine(where, lookahead(name, c.max_staleness), c.engine_backend, c.num_engines)

@@ -21,8 +21,9 @@ from torch import nn
 from transformers import get_scheduler
 
 from rlhf.config import Config, TrainConfig, fingerprint
-from rlhf.generation.base import Engine, ReferenceSpec, SamplingParams
-from rlhf.generation.factory import lookahead, make_engine, placement
+from rlhf.generation.base import Engine, EngineSpec, Placement, ReferenceSpec, SamplingParams
+from rlhf.generation.factory import make_engine, token_ids
+from rlhf.generation.hf import HFEngine
 from rlhf.generation.shared import SharedEngine
 from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
 from rlhf.models.loading import encode_prompts, load_tokenizer
@@ -30,7 +31,7 @@ from rlhf.models.lora import AdaptersOff, add_adapters
 from rlhf.presets import resolve
 from rlhf.rewards.proxy import GoldReward, RewardSpec, RuleReward
 from rlhf.runtime import env_int
-from rlhf.trainers.early import own_process_engine
+from rlhf.trainers.early import engine_placement, holds_own_process
 from rlhf.trainers.objectives import OBJECTIVES, Objective
 
 
@@ -109,13 +110,15 @@ def checkpoint_dir(cfg: Config) -> Path:
 def setup(cfg: Config, engine_process=None) -> Run:
     """engine_process: the engine's process, started by the stage before the trainer's imports (rlhf.trainers.early)."""
     c = cfg.train
-    algorithm, engine_name = resolve(c.trainer, c.engine)
+    algorithm = resolve(c.trainer, c.engine)[0]
+    engine_name, where = engine_placement(cfg)  # as the stage's early start placed it
     objective = OBJECTIVES[algorithm](c)
     tokenizer = load_tokenizer(cfg.path("sft"))
     prompts = load_rl_prompts(cfg, tokenizer)
     reward = RewardSpec.of(cfg)
     # An engine in its own process builds vLLM (from the SFT folder) while this one loads its models.
-    early = _start_engine_early(cfg, tokenizer, prompts, reward, engine_process)
+    spec = _engine_spec(cfg, engine_name, where, tokenizer, prompts, reward)
+    early = _start_engine_early(spec, engine_process)
     try:
         policy, ref, value = _setup_models(cfg, objective.needs_values, _scoring_side(c, engine_name) != "always")
         reward_fn, gold = _setup_reward(cfg, engine_name, reward)
@@ -128,7 +131,7 @@ def setup(cfg: Config, engine_process=None) -> Run:
         ref = ref if ref is None or isinstance(ref, AdaptersOff) else _place_frozen(ref, acc)
         reward_fn = reward_fn.placed(lambda m: _place_frozen(m, acc), acc.device) if reward_fn is not None else None
         policy = unwrap_policy(acc.unwrap_model(model))
-        engine = _setup_engine(cfg, engine_name, early, policy, tokenizer, prompts, reward, acc, engine_process)
+        engine = _setup_engine(spec, early, policy, tokenizer, acc, engine_process)
     except BaseException:
         if early is not None:
             early.close()
@@ -222,62 +225,55 @@ def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
     return reward_fn, GoldReward(GoldJudge.load(cfg.path("gold")))
 
 
-def _start_engine_early(cfg: Config, tokenizer, prompts, reward: RewardSpec, process) -> Engine | None:
-    """On rank 0, an engine that runs in its own process starts building now (in `process` if the stage started
-    one, rlhf.trainers.early); None otherwise, and for an engine on a GPU the learner uses too: that one is built
-    once the learner's models are on the GPU (`_setup_engine`), so vLLM sizes its cache from what they leave."""
-    found = own_process_engine(cfg)
-    if found is None or found[1].shares_gpu:
+def _engine_spec(
+    cfg: Config, name: str, where: Placement | None, tokenizer, prompts, reward: RewardSpec
+) -> EngineSpec | None:
+    """The run's vLLM engine, placed `where` (None: the HF engine, which needs no spec). It starts from the SFT
+    weights (version 0); a resumed run syncs its own weights right after."""
+    if where is None:
         return None
-    name, where, device = found
-    return _make_engine(cfg, name, None, tokenizer, prompts, reward, device, where, process)
-
-
-def _setup_engine(
-    cfg: Config, name: str, early, policy, tokenizer, prompts, reward: RewardSpec, acc, process=None
-) -> Engine:
-    """The run's engine on every rank: with several training processes one engine on rank 0, shared
-    (rlhf.generation.shared); the HF engine samples from each rank's own model. `early`: the engine that started
-    building first (`_start_engine_early`), else it is built now, in `process` when the stage started one."""
-    c, world = cfg.train, acc.num_processes
-    if name == "hf" or world == 1:
-        where = (
-            None
-            if name == "hf"
-            else placement(name, c.engine_device, c.engine_gpu_memory_utilization, 1, acc.device, c.engine_backend)
-        )
-        return early or _make_engine(cfg, name, policy, tokenizer, prompts, reward, acc.device, where, process)
-    engine = early if acc.process_index == 0 else None
-    if engine is None and (found := own_process_engine(cfg)) is not None:  # rank 0's engine on a shared GPU
-        engine = _make_engine(cfg, name, None, tokenizer, prompts, reward, found[2], found[1], process)
-    return SharedEngine(engine, acc.process_index, world, lookahead=lookahead(name, c.max_staleness))
-
-
-def _make_engine(
-    cfg: Config, name: str, policy, tokenizer, prompts, reward: RewardSpec, device, where, process=None
-) -> Engine:
-    """The engine starts from the SFT weights (version 0); a resumed run syncs its own weights right after."""
     c = cfg.train
     score = _scoring_side(c, name)
-    return make_engine(
+    return EngineSpec(
         name,
-        policy,
-        cfg.path("sft"),
-        tokenizer,
-        device=device,
+        str(cfg.path("sft")),
+        **token_ids(tokenizer),
         seed=cfg.rl_seed,
         max_model_len=max(map(len, prompts)) + c.response_length,
+        where=where,
         work_dir=checkpoint_dir(cfg) / "engine",  # weights of batches in flight, for checkpoints (hard-linked)
         max_staleness=c.max_staleness,
         dtype=c.engine_dtype,
         reward=reward if score != "never" else None,
         reference=ReferenceSpec(c.temperature, c.mixed_precision == "bf16") if score != "never" else None,
         score=score,
-        where=where,
-        process=process,
         backend=c.engine_backend,
         num_engines=c.num_engines,
     )
+
+
+def _start_engine_early(spec: EngineSpec | None, process) -> Engine | None:
+    """On rank 0, an engine that runs in its own process starts building now (in `process` if the stage started
+    one, rlhf.trainers.early); None otherwise, and for an engine on a GPU the learner uses too: that one is built
+    once the learner's models are on the GPU (`_setup_engine`), so vLLM sizes its cache from what they leave."""
+    if spec is None or not holds_own_process(spec.where) or spec.where.shares_gpu:
+        return None
+    return make_engine(spec, process)
+
+
+def _setup_engine(spec: EngineSpec | None, early, policy, tokenizer, acc, process=None) -> Engine:
+    """The run's engine on every rank: with several training processes one engine on rank 0, shared
+    (rlhf.generation.shared); the HF engine (no spec) samples from each rank's own model. `early`: the engine that
+    started building first (`_start_engine_early`), else it is built now, in `process` when the stage started one."""
+    world = acc.num_processes
+    if spec is None:
+        return HFEngine(policy, device=acc.device, **token_ids(tokenizer))
+    if world == 1:
+        return early or make_engine(spec, process)
+    engine = early if acc.process_index == 0 else None
+    if engine is None and holds_own_process(spec.where):  # rank 0's engine on a shared GPU
+        engine = make_engine(spec, process)
+    return SharedEngine(engine, acc.process_index, world, lookahead=spec.lookahead)
 
 
 def _setup_accelerator(c: TrainConfig) -> Accelerator:
