@@ -12,6 +12,8 @@ PYTEST_ARGS ?=
 PYTEST_REPORT ?= -q
 # The suite runs on two pytest-xdist workers (one per core here); an xdist_group runs on one worker in file order.
 PYTEST_WORKERS ?= 2
+# The processes tests start fork from a server that imported torch and vLLM once; RLHF_WARM=0 turns that off
+# (tests/warm/README.md).
 # `make serve`: the Prefect server's port on 127.0.0.1 (docs/prefect.md).
 PREFECT_PORT ?= 4200
 # The UI test drives Debian's chromium; a clean machine gets it from apt (root, or sudo when not root).

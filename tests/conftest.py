@@ -38,7 +38,7 @@ def ci_config(data_dir, *overrides):
 def rlhf_command(*args, params=PARAMS, launcher=()) -> list[str]:
     """`rlhf --params PARAMS ARGS...` as a command line of a fresh interpreter (tests about the process: its pid,
     its children, its signals); under `launcher` (e.g. `accelerate_launch(...)`) it runs in the project's
-    environment (rlhf.runtime) as `make` would start it, the launcher and its ranks warm (tests/warm.py)."""
+    environment (rlhf.runtime) as `make` would start it, the launcher and its ranks warm (tests/warm/)."""
     cli = ["-m", "rlhf.cli", "--params", str(params), *args]
     return [str(warm.start()), "-m", "rlhf.runtime", *launcher, *cli] if launcher else [sys.executable, *cli]
 
@@ -58,7 +58,7 @@ COMMAND_TIMEOUT = 600
 
 def run_cli(*args, params=PARAMS, timeout=COMMAND_TIMEOUT, env=None):
     """`rlhf --params PARAMS ARGS...` in a process of its own, as a user runs it (exit status and stderr are
-    checked), forked with the stages' libraries already imported (tests/warm.py)."""
+    checked), forked with the stages' libraries already imported (tests/warm/)."""
     cmd = [str(warm.start()), "-m", "rlhf.cli", "--params", str(params), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -67,8 +67,10 @@ def pytest_configure(config):
     worker = bool(os.environ.get("PYTEST_XDIST_WORKER"))
     if worker or not config.getoption("numprocesses", None):  # a process that runs tests
         runtime.configure_torch()
-    if not worker:  # one warm server for the session; pytest-xdist's workers fork from it too, so collecting the
-        python = warm.start()  # tests imports nothing new (three processes importing torch and vLLM at once: 16 min)
+    # One warm server for the session (unless RLHF_WARM=0); pytest-xdist's workers fork from it too, so collecting
+    # the tests imports nothing new (three processes importing torch and vLLM at once: 16 min).
+    if not worker and warm.ON:
+        python = warm.start()
         tx = getattr(config.option, "tx", None)  # pytest-xdist's, when it is on
         if tx and set(tx) == {"popen"}:
             config.option.tx = [f"popen//python={python}"] * len(tx)
@@ -77,8 +79,9 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True, scope="session")
 def warm_processes():
     """The processes tests start (rlhf commands, accelerate launches, vLLM's spawned engine process) fork from a
-    server with their libraries imported (tests/warm.py); it starts importing now, beside the first tests."""
-    multiprocessing.spawn.set_executable(str(warm.start()))
+    server with their libraries imported (tests/warm/); it starts importing now, beside the first tests."""
+    if warm.ON:
+        multiprocessing.spawn.set_executable(str(warm.start()))
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,5 +1,5 @@
 """The fresh-process tier: runs a user makes, each process a fresh interpreter, as `make run` and `accelerate launch`
-start them, not forked from the suite's warm server (tests/warm.py). What only a fresh process shows: every rank and
+start them, not forked from the suite's warm server (tests/warm/). What only a fresh process shows: every rank and
 engine process gets its own hash seed (Python's default: PYTHONHASHSEED unset), so a set iterated in a different
 order per rank would hang a collective; imports no other stage preloaded; exit-time crashes the warm exit path skips.
 The last test holds the warm harness itself to the same results as fresh interpreters."""
@@ -90,8 +90,9 @@ def test_an_async_run_is_the_same_in_two_fresh_processes(ci_data, tmp_path):
     ],
     ids=["a stage that runs", "a bad setting", "a missing input", "a SIGKILL mid-run"],
 )
+@pytest.mark.skipif(not warm.ON, reason="RLHF_WARM=0: no warm server to compare with")
 def test_the_warm_harness_gives_what_a_fresh_interpreter_gives(ci_stages, tmp_path, args, crash):
-    """The same command warm (forked from tests/warm.py's server) and fresh: the same exit code or signal, the same
+    """The same command warm (forked from the server of tests/warm/) and fresh: the same exit code or signal, the same
     last line of stderr, the same files, and the same bytes in what the stage wrote."""
     outcomes = []
     for python in (str(warm.start()), sys.executable):

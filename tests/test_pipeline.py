@@ -32,7 +32,7 @@ EVAL_KEYS = {
 
 
 def sh(*cmd, cwd, check=True):
-    # the stages' `rlhf` commands are warm (tests/warm.py); dvc, git and the rest are the venv's and the system's
+    # the stages' `rlhf` commands are warm (tests/warm/); dvc, git and the rest are the venv's and the system's
     env = {**os.environ, "PATH": warm.path(f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")}
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env, timeout=900)
     if check and proc.returncode:

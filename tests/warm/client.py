@@ -1,4 +1,4 @@
-"""The suite's `python` (tests/warm.py): hands a command it knows to the warm server, anything else to the real one.
+"""The suite's warm `python` (README.md): hands a command it knows to the warm server, anything else to the real one.
 
 Standard library only: it runs as `python -SE` (no site-packages), so it starts in a fraction of a second even where
 importing torch takes minutes. What it sends: its arguments, environment, working folder and every file descriptor
@@ -88,7 +88,7 @@ def _exit_like(status: str) -> None:
         os._exit(128 + int(number))
     if kind == "exit":
         os._exit(int(number))
-    print(f"tests/warm_client.py: the warm server stopped answering ({status!r})", file=sys.stderr)
+    print(f"tests/warm/client.py: the warm server stopped answering ({status!r})", file=sys.stderr)
     os._exit(1)
 
 

@@ -1,20 +1,9 @@
-"""A warm `python` for the processes the suite starts: forked from a server that has imported their libraries.
+"""The warm server: imports the suite's libraries once, then forks each command a warm `python` hands it.
 
-A fresh `python -m rlhf.cli`, a training rank under `accelerate launch`, or the vLLM engine's spawned process first
-imports torch, transformers, DeepSpeed, vLLM...: seconds on a fast box, 3-10 minutes on a slow one (first-touched
-memory at ~0.1 GB/s), and the suite starts a hundred of them. Here each one is still its own process, with its own
-arguments, environment, working folder, file descriptors, exit status and signals, but forked from a server (one
-per test session, started by pytest-xdist's controller) that imported those libraries once: it pays only for its
-own work.
-
-How: `start()` runs this file as the server and writes a `python` executable (tests/warm_client.py) that tests
-use in place of sys.executable: for `rlhf` commands (conftest.run_cli), accelerate launches (conftest.rlhf_command
-with a launcher: the launcher and its ranks), multiprocessing's spawned children (the engine process) and
-pytest-xdist's workers themselves (conftest.pytest_configure), which then collect the tests without importing the
-libraries a third time (16 min on the slow box with the server and two workers importing at once). Inside a
-warm process sys.executable is that `python` too, so what it starts in turn is warm (a pytest worker sets the real
-one back: its tests choose). Anything else it is given
-(a script, `-c` code, Ray's workers, an option it does not know) runs the real interpreter.
+Started by `warm.start()` as `python tests/warm/server.py SOCKET PYTHON` (tests/warm/README.md). It imports what the
+stages, accelerate's launcher, torchrun and vLLM's engine process import, freezes it, listens on SOCKET, and runs
+each command it is sent in a fork of itself: its own arguments, environment, working folder, file descriptors, exit
+status and signals, minus the imports. It stops when the process that started it exits (its stdin closes).
 
 What differs from a fresh interpreter: the libraries were imported under the suite's environment (a command whose
 environment differs in a variable read at import, IMPORT_TIME below, runs fresh); the process's parent is the
@@ -37,64 +26,16 @@ import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import traceback
 import types
 import weakref
 from pathlib import Path
 
-import warm_client
-
-TESTS = Path(__file__).resolve().parent
 # Variables a preloaded library reads when imported: a command that sets them differently runs fresh.
 IMPORT_TIME = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONHOME", "HF_", "HUGGINGFACE_", "TRANSFORMERS_")
 IMPORT_TIME += ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LD_PRELOAD", "LD_LIBRARY_PATH", "RLHF_CACHE_DIR", "CUDA_")
-
-_server: dict = {}
-
-
-def start() -> Path:
-    """Start this process's server (once; it imports in the background) and return the `python` that uses it."""
-    if _server:
-        return _server["python"]
-    shared = os.environ.get("RLHF_WARM_PYTHON")
-    if shared and Path(shared).exists():  # the server pytest-xdist's controller started, shared by its workers
-        _server.update(python=Path(shared))
-        return _server["python"]
-    folder = Path(tempfile.mkdtemp(prefix="rlhf-warm-"))
-    sock, python = folder / "server.sock", folder / "python"
-    with open(folder / "server.log", "wb") as log:  # the server writes to its own copy of the descriptor
-        proc = subprocess.Popen(
-            [sys.executable, __file__, str(sock), str(python)],
-            stdin=subprocess.PIPE,  # its end of life: this process's exit closes the pipe (kept open by `proc`)
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a Ctrl-C meant for the suite's commands never reaches the server
-        )
-    client = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import warm_client\n"
-    client += f"warm_client.main({str(sock)!r}, {proc.pid}, {sys.executable!r})\n"
-    python.write_text(f"#!{sys.executable} -SE\n{client}")
-    bin_folder = Path(sys.executable).parent  # where the venv's console scripts are
-    wrappers = [("accelerate", "-m accelerate.commands.accelerate_cli"), ("torchrun", "-m torch.distributed.run")]
-    for name, how in [*wrappers, ("rlhf", f'"{bin_folder}/rlhf"')]:
-        (folder / name).write_text(f'#!/bin/sh\nexec "{python}" {how} "$@"\n')  # found first on PATH: path()
-        (folder / name).chmod(0o755)
-    python.chmod(0o755)
-    _server.update(python=python, proc=proc)
-    os.environ["RLHF_WARM_PYTHON"] = str(python)  # inherited by the workers pytest-xdist starts after this
-    os.environ["RLHF_WARM_REAL_PYTHON"] = sys.executable
-    return python
-
-
-def path(base: str) -> str:
-    """PATH with the warm `rlhf` (and `accelerate`) first: DVC's stages run `exec rlhf STAGE`."""
-    return f"{start().parent}{os.pathsep}{base}"
-
-
-# The server
 
 
 def _serve(sock: str, python: str) -> None:
@@ -158,7 +99,7 @@ def _manage(conn: socket.socket, state: tuple) -> None:
     while len(data) < size:
         data += conn.recv(size - len(data))
     request = json.loads(data)
-    target, (before, set_by_imports) = warm_client.target(request["argv"], str(Path(sys.executable).parent)), state[:2]
+    target, (before, set_by_imports) = client.target(request["argv"], str(Path(sys.executable).parent)), state[:2]
     keys = {k for k in {*before, *request["env"]} if k.startswith(IMPORT_TIME)}
     # a value the imports here set themselves is theirs (vLLM extends LD_LIBRARY_PATH), not a different setting
     differ = {k for k in keys if request["env"].get(k) not in (before.get(k), set_by_imports.get(k, before.get(k)))}
@@ -271,4 +212,10 @@ def _run(option: str, what: str, main: types.ModuleType) -> int:
 
 
 if __name__ == "__main__":
+    # Python put this file's folder (tests/warm) first on sys.path: tests/ goes there instead, so that `warm` imports
+    # as the package the suite's processes (forked from here) know, and base_path (sys.path[1:]) is still a fresh
+    # interpreter's.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+    from warm import client
+
     _serve(sys.argv[1], sys.argv[2])
