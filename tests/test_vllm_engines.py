@@ -28,8 +28,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from rlhf.config import LoraConfig, ModelConfig
-from rlhf.generation.async_engine import EngineProcess
 from rlhf.generation.base import SamplingParams
+from rlhf.generation.engine_process import EngineProcess
 from rlhf.generation.factory import local_spec, make_engine
 from rlhf.generation.transfer import shm_copies
 from rlhf.generation.vllm import cpu_kv_cache_bytes, request_seed

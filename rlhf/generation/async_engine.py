@@ -1,5 +1,6 @@
 """Asynchronous generation: a VLLMEngine in its own process samples up to N batches ahead of training.
-This module is the trainer's side; the engine process runs rlhf.generation.engine_process. With
+This module is the trainer's side; rlhf.generation.engine_process holds the messages and both sides of the engine's
+process (EngineProcess, engine_process_main). With
 train.engine_backend: ray the same AsyncEngine drives E engines as Ray actors instead (rlhf.generation.ray_engines:
 same messages, same staleness rule); what follows describes the process backend.
 
@@ -9,10 +10,11 @@ Processes and channels:
   to watch, to kill and to pin, no grandchild left behind when it dies, and a ~3 s engine start instead of
   ~19 s for vLLM's own engine-core process.
 - Start-up: the process (EngineProcess) is spawned first thing in the train stage and imports vLLM while the
-  trainer imports and loads; the AsyncEngine then sends ("build", EngineSpec), and the process builds vLLM and
-  its scorer and answers ("ready", seconds) (or ("error", traceback)).
+  trainer imports and loads; the AsyncEngine then sends Build(EngineSpec), and the process builds vLLM and
+  its scorer and answers Ready(seconds) (or Error(traceback)).
 - trainer -> engine: a bounded multiprocessing Queue of messages handled strictly in order,
-  ("weights", SharedWeights, version) and ("generate", batch, prompts, params, score, parts). Bounded at 2(N+2)
+  Weights(SharedWeights, version), answered by Ack(version), and Generate(batch, prompts, params, score, parts),
+  answered by a Result (engine_process: one record per batch, arrays as numpy). Bounded at 2(N+2)
   messages; the loop never has more than N+1 batches and N+1 weight versions outstanding.
 - engine -> trainer: a one-way Pipe whose write end only the engine holds, so the engine's death reads as EOF
   (a Queue would leave a read blocked forever on a half-written message). The engine sends from a thread
@@ -58,11 +60,7 @@ from __future__ import annotations
 
 import atexit
 import math
-import multiprocessing as mp
-import os
-import queue
 import shutil
-import signal
 import time
 import weakref
 from collections import deque
@@ -71,10 +69,20 @@ from pathlib import Path
 import torch
 
 from rlhf.generation.base import EngineSpec, Generated, SamplingParams
-from rlhf.generation.engine_process import POLL_SECONDS, engine_process_main
+from rlhf.generation.engine_process import (
+    POLL_SECONDS,
+    Ack,
+    Build,
+    EngineProcess,
+    Error,
+    Generate,
+    Ready,
+    Result,
+    Weights,
+)
 from rlhf.generation.transfer import check_shm_room, free_bytes, shm_copies
 from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapshot, weight_bytes, write_snapshot
-from rlhf.runtime import env_int, give_back_cores, keep_off_cores
+from rlhf.runtime import env_int
 
 
 def engine_scores_next(engine_scores: bool, learner_wait: float, engine_idle: float, cost: float) -> bool:
@@ -86,81 +94,6 @@ def engine_scores_next(engine_scores: bool, learner_wait: float, engine_idle: fl
     if engine_scores:
         return learner_wait - engine_idle <= cost
     return engine_idle - learner_wait > cost
-
-
-class EngineProcess:
-    """The engine's process and its channels, started before the engine's spec is known: it imports vLLM while
-    the trainer imports its own libraries and loads its models; an AsyncEngine then takes it over and sends the
-    spec (rlhf.trainers.early starts it first thing in the train stage). device: the engine's (EngineSpec.device)."""
-
-    def __init__(self, device: str, max_staleness: int):
-        ctx = mp.get_context("spawn")
-        self.device, self.max_staleness = device, max_staleness
-        self.inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
-        self.stop = ctx.Event()
-        self.results, writer = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(
-            target=engine_process_main,
-            args=(device, self.inbox, writer, self.stop),
-            name="rlhf-vllm-engine",
-            daemon=False,
-        )
-        self.proc.start()
-        writer.close()  # the engine holds the only write end: its death closes the pipe
-        # The engine pins itself to the last core; the trainer keeps the others, or the scheduler puts it on the
-        # engine's core now and then (seen: both at ~50% of one core). Given back at close.
-        cores, key = os.sched_getaffinity(0), object()
-        if device == "cpu" and len(cores) > 1:
-            keep_off_cores(key, {max(cores)})
-        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.stop, self.inbox, self.results, key)
-        # Run before multiprocessing's own exit hook, which would join the (non-daemon) engine forever.
-        self._finalizer.atexit = False
-        atexit.register(self._finalizer)
-
-    def close(self, at_once: bool = False) -> None:
-        """Stop the process (stop event + sentinel, join, then terminate/kill); safe to call twice. at_once:
-        terminate it now (it is still importing or building vLLM, deaf to the stop message: nothing to lose)."""
-        if at_once and self._finalizer.alive and self.proc.is_alive():
-            self.proc.terminate()
-        self._finalizer()
-        atexit.unregister(self._finalizer)
-
-    # The channel an AsyncEngine drives (rlhf.generation.ray_engines.RayEngines offers the same five calls)
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.is_alive()
-
-    def send(self, msg: tuple, timeout: float) -> bool:
-        """Queue a message for the engine; False if the queue stayed full for `timeout` seconds."""
-        try:
-            self.inbox.put(msg, timeout=timeout)
-            return True
-        except queue.Full:
-            return False
-
-    def recv(self, timeout: float) -> tuple | None:
-        """The engine's next message within `timeout` seconds, else None; RuntimeError once the engine is gone."""
-        try:
-            if self.results.poll(timeout):
-                return self.results.recv()
-        except (EOFError, OSError):
-            raise self.dead("closed its result channel") from None
-        if not self.proc.is_alive() and not self.results.poll(0):
-            raise self.dead("exited")
-        return None
-
-    def dead(self, what: str) -> RuntimeError:
-        """The error that reports the engine process as `what` ("exited", "failed:\n<traceback>", ...)."""
-        self.proc.join(timeout=5)  # the exit code, once it has exited
-        code = self.proc.exitcode
-        how = "still running" if code is None else f"exit code {code}"
-        if code is not None and code < 0:
-            how += f" ({signal.Signals(-code).name})"
-        return RuntimeError(f"vLLM engine process (pid {self.proc.pid}, {how}) {what}")
 
 
 def start_engine(where, max_staleness: int, backend: str = "process", num_engines: int = 1):
@@ -215,7 +148,7 @@ class AsyncEngine:
         # it is ready, and the first receive() waits for it (wait_ready).
         self._start_timeout = start_timeout or env_int("RLHF_ENGINE_START_TIMEOUT", 600, minimum=1)
         self._start_deadline = time.monotonic() + self._start_timeout
-        self._put(("build", spec))
+        self._put(Build(spec))
 
     # The Engine protocol
 
@@ -228,7 +161,7 @@ class AsyncEngine:
             scores = engine_scores_next(self._engine_scores, self._learner_wait, self._engine_idle, self._scoring_cost)
             if scores != self._engine_scores:  # fresh evidence from here on, about the new placement
                 self._engine_scores, self._learner_wait, self._engine_idle = scores, 0.0, 0.0
-        self._put(("generate", batch, prompts, params, self._engine_scores, parts or [len(prompts)]))
+        self._put(Generate(batch, prompts, params, self._engine_scores, parts or [len(prompts)]))
         self._pending.append(batch)
         self._next_batch += 1
 
@@ -325,9 +258,9 @@ class AsyncEngine:
 
     def _queue_weights(self, weights: SharedWeights, version: int) -> None:
         self._snapshots[version] = weights
-        self._put(("weights", weights, version))
+        self._put(Weights(weights, version))
 
-    def _put(self, msg: tuple) -> None:
+    def _put(self, msg: Build | Weights | Generate) -> None:
         while True:
             if not self._finalizer.alive:
                 raise RuntimeError("AsyncEngine: used after close()")
@@ -340,7 +273,7 @@ class AsyncEngine:
             while (ready := self._next_message(timeout=0)) is not None:
                 self._handle(ready)
 
-    def _next_message(self, timeout: float | None) -> tuple | None:
+    def _next_message(self, timeout: float | None) -> Ready | Ack | Result | Error | None:
         """The next message from the engine; None after `timeout` seconds (None = wait as long as it lives)."""
         if not self._finalizer.alive:
             raise RuntimeError("AsyncEngine: used after close()")
@@ -352,25 +285,24 @@ class AsyncEngine:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
 
-    def _handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "result":
-            _, batch, responses, logprobs, scores, refs, prompts, version, seconds, scoring, idle, reload = msg
-            scores, refs = (None if a is None else torch.from_numpy(a) for a in (scores, refs))
-            logprobs = torch.from_numpy(logprobs)
-            gen = Generated(torch.from_numpy(responses), version, seconds, logprobs, scores, prompts, ref_logprobs=refs)
-            stats = {"timing/engine_idle": idle, "timing/weight_sync_engine": reload}
-            if self._score != "never":
-                stats["timing/scoring_engine"] = scoring
-            self._ready[batch] = (gen, stats)
-        elif kind == "ack":
-            self._acked = msg[1]
-        elif kind == "ready":
-            self.start_seconds = msg[1]
-        elif kind == "error":
-            raise self._process.dead(f"failed:\n{msg[1]}")
-        else:
-            raise RuntimeError(f"AsyncEngine: unknown message {kind!r} from the vLLM engine process")
+    def _handle(self, msg: Ready | Ack | Result | Error) -> None:
+        match msg:
+            case Result():
+                scores, refs = (None if a is None else torch.from_numpy(a) for a in (msg.scores, msg.refs))
+                responses, logprobs = torch.from_numpy(msg.responses), torch.from_numpy(msg.logprobs)
+                gen = Generated(responses, msg.version, msg.seconds, logprobs, scores, msg.prompts, ref_logprobs=refs)
+                stats = {"timing/engine_idle": msg.idle, "timing/weight_sync_engine": msg.reload}
+                if self._score != "never":
+                    stats["timing/scoring_engine"] = msg.scoring
+                self._ready[msg.batch] = (gen, stats)
+            case Ack(version):
+                self._acked = version
+            case Ready(seconds):
+                self.start_seconds = seconds
+            case Error(text):
+                raise self._process.dead(f"failed:\n{text}")
+            case _:
+                raise RuntimeError(f"AsyncEngine: unknown message {msg!r} from the vLLM engine process")
 
 
 def _close(process: EngineProcess, work_dir: Path) -> None:
@@ -378,31 +310,3 @@ def _close(process: EngineProcess, work_dir: Path) -> None:
     process.close()
     for folder in work_dir.glob("v[0-9]*"):
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _shutdown(proc, stop, inbox, results, cores_key: object, timeout: float = 30.0) -> None:
-    """Stop the engine process, free the channels, give the trainer the engine's core back (EngineProcess's
-    finalizer: runs once)."""
-    give_back_cores(cores_key)
-    if proc.is_alive():
-        stop.set()  # skip batches still queued
-        try:
-            inbox.put_nowait(("stop",))  # wakes it if it waits for work
-        except (queue.Full, ValueError, OSError):
-            pass
-        deadline = time.monotonic() + timeout
-        while proc.is_alive() and time.monotonic() < deadline:
-            try:  # keep its results flowing so it is never stuck sending
-                while results.poll(0.2):
-                    results.recv()
-            except (EOFError, OSError):
-                proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-    proc.join(timeout=5)
-    results.close()
-    inbox.cancel_join_thread()  # unsent messages to a dead engine must not block interpreter exit
-    inbox.close()

@@ -1,8 +1,11 @@
-"""The async engine's own process: a VLLMEngine that handles the trainer's messages in order until stopped
-(the protocol is described in rlhf.generation.async_engine, the trainer's side)."""
+"""The async engine's own process, both sides: the messages the trainer and an engine exchange (also spoken by the
+Ray actors, rlhf.generation.ray_engines), `EngineProcess` (the trainer's side: the process and its channels) and
+`engine_process_main` (the engine's side: a VLLMEngine that handles the messages in order until stopped). How the
+AsyncEngine drives them is described in rlhf.generation.async_engine."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import math
@@ -14,17 +17,75 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from rlhf.generation.base import EngineSpec
+from rlhf.generation.base import EngineSpec, SamplingParams
 from rlhf.generation.vllm import VLLMEngine, import_engine_code
-from rlhf.runtime import visible_gpus
+from rlhf.generation.weights import SharedWeights
+from rlhf.runtime import give_back_cores, keep_off_cores, visible_gpus
 
 POLL_SECONDS = 0.5  # how often a waiting side checks that the other one is still alive
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+# --- the messages, in both directions: module-level NamedTuples (they pickle through pipes and Ray), told apart by
+# type. Trainer -> engine, handled strictly in order:
+
+
+class Build(NamedTuple):  # the first message: build vLLM (and the scorer) as `spec` says
+    spec: EngineSpec
+
+
+class Weights(NamedTuple):  # load these weights before the next batch; answered by Ack
+    weights: SharedWeights
+    version: int
+
+
+class Generate(NamedTuple):  # sample (and, if `score`, score) one batch; answered by a Result
+    batch: int  # the run's batch index: seeds its samples
+    prompts: list[list[int]]
+    params: SamplingParams
+    score: bool
+    parts: list[int]  # how many of the prompts each training rank sent (scored part by part)
+
+
+class Stop(NamedTuple):  # wakes an engine waiting for work when the stop event is set
+    pass
+
+
+# Engine -> trainer:
+
+
+class Ready(NamedTuple):
+    seconds: float  # the engine's start-up (LLM()) time
+
+
+class Ack(NamedTuple):
+    version: int  # the newest weight version the engine has loaded
+
+
+class Result(NamedTuple):
+    """One generated batch, arrays as numpy (the wire format), and the engine's time since the previous Result."""
+
+    batch: int
+    responses: np.ndarray  # (B*K, T) sampled tokens, right-padded
+    logprobs: np.ndarray  # (B*K, T) sampling log-probs
+    scores: np.ndarray | None  # (B*K,) when the engine scored the batch
+    refs: np.ndarray | None  # (B*K, T) reference log-probs, when it computed them
+    prompts: list[list[int]]  # as the engine sampled them
+    version: int  # the weight version that sampled the batch
+    seconds: float  # generating it
+    scoring: float  # scoring it and computing its reference log-probs
+    idle: float  # waiting for work since the previous Result
+    reload: float  # loading weights since the previous Result
+
+
+class Error(NamedTuple):
+    text: str  # the engine's traceback; it exits with code 1 after sending this
 
 
 MIN_KV_CACHE_BYTES = 2**30  # the least KV cache an engine is started with: below it, it samples a few rows at a time
@@ -49,29 +110,28 @@ def engine_memory_share(gpu_bytes: int, share: float, held_bytes: int, weight_by
 
 
 def engine_process_main(device: str, inbox, results, stop) -> None:
-    """Entry point of the engine process: import vLLM and the scorer's code, wait for ("build", EngineSpec), build
+    """Entry point of the engine process: import vLLM and the scorer's code, wait for Build(EngineSpec), build
     the VLLMEngine (and the scorer), then serve until stopped. The imports (~7 s of the ~11 s start-up on these
     CPUs) run before the spec exists: the trainer starts this process first and sends the spec once it knows it.
 
     device: "cpu" or "cuda:<i>" (spec.device): needed before CUDA starts, so it comes at spawn, not with the spec.
-    Errors are sent back as ("error", traceback) before the process exits with code 1.
+    Errors are sent back as Error(traceback) before the process exits with code 1.
     """
     _die_with_parent()
     device = see_only(device)
     outbox = _Sender(results)
     try:
         import_ahead(device)
-        spec = _next_work(inbox, stop)
-        if spec is None:
+        first = _next_work(inbox, stop)
+        if first is None:
             return
-        if spec[0] != "build":
-            raise ValueError(f"expected the engine's spec first, got {spec[0]!r}")
-        spec = spec[1]
-        engine, scorer = build(spec, device)
-        outbox.send(("ready", engine.start_seconds))
+        if not isinstance(first, Build):
+            raise ValueError(f"expected the engine's spec first, got {type(first).__name__}")
+        engine, scorer = build(first.spec, device)
+        outbox.send(Ready(engine.start_seconds))
         _serve(engine, scorer, inbox, outbox, stop)
     except BaseException:
-        outbox.send(("error", traceback.format_exc()))
+        outbox.send(Error(traceback.format_exc()))
         outbox.flush(timeout=10)
         # Exit at once, with the code the trainer reports: vLLM lives in this process only, so there is
         # nothing to shut down, and a normal interpreter exit (vLLM/torch teardown) can take seconds.
@@ -90,10 +150,7 @@ def see_only(device: str) -> str:
     before CUDA starts, only that GPU is visible (mapped through the trainer's CUDA_VISIBLE_DEVICES, which this
     process inherited), and no core pinning: vLLM's scheduler and the sampling loop then run wherever a core is free."""
     if not device.startswith("cuda"):
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) > 1:
-            os.sched_setaffinity(0, {cores[-1]})
-        torch.set_num_threads(1)
+        pin_to_core((engine_cores(1) or [None])[0])
         return device
     os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus([int(device.partition(":")[2] or 0)])
     return "cuda:0"
@@ -140,38 +197,70 @@ def import_ahead(device: str = "cpu") -> None:
     import rlhf.models.loading  # noqa: F401
 
 
+def engine_cores(n: int) -> list[int] | None:
+    """The cores `n` engines on this machine's CPU take, one each from the last allowed core down (wrapping round
+    when there are fewer); None with a single core, which they share with the trainer."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[-1 - e % len(cores)] for e in range(n)] if len(cores) > 1 else None
+
+
+def pin_to_core(core: int | None) -> None:
+    """This engine's process on `core` alone (None: where it runs now), torch on one thread: the trainer keeps the
+    other cores, and two busy processes on one core each ran at half speed."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+
+
+class EngineClock:
+    """The seconds an engine waited for work and spent loading weights since its last Result: the same accounting
+    in the engine process and in a Ray actor. free() when it starts waiting, busy() when work arrives."""
+
+    def __init__(self):
+        self.free_since, self.idle, self.reload = time.perf_counter(), 0.0, 0.0
+
+    def free(self) -> None:
+        self.free_since = time.perf_counter()
+
+    def busy(self) -> None:
+        self.idle += time.perf_counter() - self.free_since
+
+    def take(self) -> tuple[float, float]:
+        """(idle, reload) since the last take, then zero."""
+        taken, self.idle, self.reload = (self.idle, self.reload), 0.0, 0.0
+        return taken
+
+
 def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop) -> None:
-    """Handle ("weights", SharedWeights, version) and ("generate", batch, prompts, params, score, parts) in order;
-    each result carries the seconds the engine was idle and reloading since the previous one."""
-    idle = reload = 0.0
+    """Handle Weights and Generate messages in order until stopped."""
+    clock = EngineClock()
     while True:
-        waited = time.perf_counter()
+        clock.free()
         msg = _next_work(inbox, stop)
-        idle += time.perf_counter() - waited
-        if msg is None:
-            return
-        if msg[0] == "weights":
-            _, weights, version = msg
-            reload += engine.reload(weights, version)
-            del msg, weights  # vLLM holds its own copy now: the trainer may reuse the shared buffers
-            outbox.send(("ack", version))
-        elif msg[0] == "generate":
-            outbox.send(("result", msg[1], *sample_and_score(engine, scorer, msg[1:]), idle, reload))
-            idle = reload = 0.0
-        else:
-            raise ValueError(f"unknown message {msg[0]!r}")
+        clock.busy()
+        match msg:
+            case None:
+                return
+            case Weights(weights, version):
+                clock.reload += engine.reload(weights, version)
+                del msg, weights  # vLLM holds its own copy now: the trainer may reuse the shared buffers
+                outbox.send(Ack(version))
+            case Generate():
+                outbox.send(sample_and_score(engine, scorer, msg, clock))
+            case _:
+                raise ValueError(f"unknown message {type(msg).__name__}")
 
 
-def sample_and_score(engine: VLLMEngine, scorer, work: tuple, first: int = 0) -> tuple:
-    """One batch: work = (batch, prompts, params, score, parts) -> (responses, logprobs, scores, reference log-probs,
-    prompts as sampled, weight version, generation seconds, scoring seconds), arrays as numpy (the wire format).
-    `first`: the index of prompts[0] in the run's batch, when this engine samples a slice of it (Ray engines)."""
-    batch, prompts, params, score, parts = work
-    gen = engine.generate(prompts, params, batch, first)
+def sample_and_score(engine: VLLMEngine, scorer, work: Generate, clock: EngineClock, first: int = 0) -> Result:
+    """One batch, sampled and (when work.score) scored, with the engine's idle and reload time since the last one.
+    `first`: the index of work.prompts[0] in the run's batch, when this engine samples a slice of it (Ray engines)."""
+    gen = engine.generate(work.prompts, work.params, work.batch, first)
     scored = time.perf_counter()
-    scores, refs = scorer(prompts, gen.responses, params, parts) if scorer is not None and score else (None, None)
+    with_scores = scorer is not None and work.score
+    scores, refs = scorer(work.prompts, gen.responses, work.params, work.parts) if with_scores else (None, None)
     scoring = time.perf_counter() - scored
-    return gen.responses.numpy(), gen.logprobs.numpy(), scores, refs, gen.prompts, gen.version, gen.seconds, scoring
+    sampled = (gen.responses.numpy(), gen.logprobs.numpy(), scores, refs, gen.prompts, gen.version, gen.seconds)
+    return Result(work.batch, *sampled, scoring, *clock.take())
 
 
 class Scorer:
@@ -227,13 +316,13 @@ def _next_work(inbox, stop):
             msg = inbox.get(timeout=POLL_SECONDS)
         except queue.Empty:
             continue
-        return None if msg[0] == "stop" or stop.is_set() else msg
+        return None if isinstance(msg, Stop) or stop.is_set() else msg
     return None
 
 
 def _trainer_alive() -> bool:
     """The trainer (the process that started this one) still runs: its end of multiprocessing's start-up pipe is
-    open. Unlike a parent-pid check, this holds when a launcher sits between the two (the suite's tests/warm.py)."""
+    open. Unlike a parent-pid check, this holds when a launcher or fork server sits between the two."""
     return mp.parent_process().is_alive()
 
 
@@ -269,3 +358,109 @@ class _Sender:
                 self.conn.send(msg)
             except (BrokenPipeError, OSError):
                 return  # the trainer is gone
+
+
+# --- the trainer's side ------------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """The engine's process and its channels, started before the engine's spec is known: it imports vLLM while
+    the trainer imports its own libraries and loads its models; an AsyncEngine then takes it over and sends the
+    spec (rlhf.trainers.early starts it first thing in the train stage). device: the engine's (EngineSpec.device)."""
+
+    def __init__(self, device: str, max_staleness: int):
+        ctx = mp.get_context("spawn")
+        self.device, self.max_staleness = device, max_staleness
+        self.inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
+        self.stop = ctx.Event()
+        self.results, writer = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=engine_process_main,
+            args=(device, self.inbox, writer, self.stop),
+            name="rlhf-vllm-engine",
+            daemon=False,
+        )
+        self.proc.start()
+        writer.close()  # the engine holds the only write end: its death closes the pipe
+        # The engine pins itself to the last core; the trainer keeps the others, or the scheduler puts it on the
+        # engine's core now and then (seen: both at ~50% of one core). Given back at close.
+        key = object()
+        if device == "cpu" and (cores := engine_cores(1)):
+            keep_off_cores(key, set(cores))
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.stop, self.inbox, self.results, key)
+        # Run before multiprocessing's own exit hook, which would join the (non-daemon) engine forever.
+        self._finalizer.atexit = False
+        atexit.register(self._finalizer)
+
+    def close(self, at_once: bool = False) -> None:
+        """Stop the process (stop event + sentinel, join, then terminate/kill); safe to call twice. at_once:
+        terminate it now (it is still importing or building vLLM, deaf to the stop message: nothing to lose)."""
+        if at_once and self._finalizer.alive and self.proc.is_alive():
+            self.proc.terminate()
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+
+    # The channel an AsyncEngine drives (rlhf.generation.ray_engines.RayEngines offers the same five calls)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def send(self, msg: NamedTuple, timeout: float) -> bool:
+        """Queue a message for the engine; False if the queue stayed full for `timeout` seconds."""
+        try:
+            self.inbox.put(msg, timeout=timeout)
+            return True
+        except queue.Full:
+            return False
+
+    def recv(self, timeout: float) -> NamedTuple | None:
+        """The engine's next message within `timeout` seconds, else None; RuntimeError once the engine is gone."""
+        try:
+            if self.results.poll(timeout):
+                return self.results.recv()
+        except (EOFError, OSError):
+            raise self.dead("closed its result channel") from None
+        if not self.proc.is_alive() and not self.results.poll(0):
+            raise self.dead("exited")
+        return None
+
+    def dead(self, what: str) -> RuntimeError:
+        """The error that reports the engine process as `what` ("exited", "failed:\n<traceback>", ...)."""
+        self.proc.join(timeout=5)  # the exit code, once it has exited
+        code = self.proc.exitcode
+        how = "still running" if code is None else f"exit code {code}"
+        if code is not None and code < 0:
+            how += f" ({signal.Signals(-code).name})"
+        return RuntimeError(f"vLLM engine process (pid {self.proc.pid}, {how}) {what}")
+
+
+def _shutdown(proc, stop, inbox, results, cores_key: object, timeout: float = 30.0) -> None:
+    """Stop the engine process, free the channels, give the trainer the engine's core back (EngineProcess's
+    finalizer: runs once)."""
+    give_back_cores(cores_key)
+    if proc.is_alive():
+        stop.set()  # skip batches still queued
+        try:
+            inbox.put_nowait(Stop())  # wakes it if it waits for work
+        except (queue.Full, ValueError, OSError):
+            pass
+        deadline = time.monotonic() + timeout
+        while proc.is_alive() and time.monotonic() < deadline:
+            try:  # keep its results flowing so it is never stuck sending
+                while results.poll(0.2):
+                    results.recv()
+            except (EOFError, OSError):
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+    proc.join(timeout=5)
+    results.close()
+    inbox.cancel_join_thread()  # unsent messages to a dead engine must not block interpreter exit
+    inbox.close()

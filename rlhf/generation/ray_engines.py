@@ -3,13 +3,13 @@ as the engine process (rlhf.generation.engine_process), placed by Ray on any nod
 
 `RayEngines` is the channel an AsyncEngine drives, with the same calls as EngineProcess (send, recv, alive, dead,
 close), so staleness, checkpoints of the weights in flight and scoring are the async engine's, unchanged:
-- ("build", spec): every actor builds its engine (and scorer); ("ready", seconds of the slowest) once all have.
-- ("weights", SharedWeights, version): one copy goes into Ray's object store (numpy buffers: actors on the
-  learner's node read them without a copy, other nodes fetch them once) and every actor loads it; ("ack", version)
+- Build(spec): every actor builds its engine (and scorer); Ready(seconds of the slowest) once all have.
+- Weights(SharedWeights, version): one copy goes into Ray's object store (numpy buffers: actors on the
+  learner's node read them without a copy, other nodes fetch them once) and every actor loads it; Ack(version)
   once all have. No shared filesystem is needed.
-- ("generate", batch, prompts, params, score, parts): the prompts are cut into E contiguous slices, slice e to actor
+- Generate(batch, prompts, params, score, parts): the prompts are cut into E contiguous slices, slice e to actor
   e, which seeds prompt i of the batch as a single engine would (rlhf.generation.vllm.request_seed), so a run is
-  reproducible for a fixed E; the slices come back as one "result", in prompt order.
+  reproducible for a fixed E; the slices come back as one Result, in prompt order.
 Staleness: Ray runs the calls one caller makes on an actor in the order they were made (these actors run one call at
 a time), and every actor gets each weights call before the generate calls made after it, so every slice of batch t
 is sampled with the same version, the newest loaded when the actor starts it: >= t-N, as with one engine.
@@ -36,6 +36,17 @@ import numpy as np
 import psutil
 import torch
 
+from rlhf.generation.engine_process import (
+    Ack,
+    Build,
+    EngineClock,
+    Generate,
+    Ready,
+    Result,
+    Weights,
+    engine_cores,
+    pin_to_core,
+)
 from rlhf.generation.weights import SharedWeights
 from rlhf.runtime import CACHE, OFFLINE_ENV, give_back_cores, keep_off_cores, visible_gpus
 
@@ -132,14 +143,12 @@ class EngineActor:
     """One engine in a Ray worker: a VLLMEngine and its scorer. Ray runs its calls one at a time, in order."""
 
     def __init__(self, core: int | None):
-        if core is not None:
-            os.sched_setaffinity(0, {core})
-        torch.set_num_threads(1)
+        pin_to_core(core)
         from rlhf.generation.engine_process import import_ahead
 
         import_ahead("cuda" if torch.cuda.is_available() else "cpu")  # while the trainer imports and loads
         self.engine = self.scorer = None
-        self.free_since, self.idle, self.reload = time.perf_counter(), 0.0, 0.0
+        self.clock = EngineClock()
 
     def build(self, spec) -> tuple[float, str, int]:
         """(start-up seconds, node IP, pid) once the engine is built."""
@@ -148,27 +157,23 @@ class EngineActor:
         from rlhf.generation.engine_process import build
 
         self.engine, self.scorer = build(spec, "cuda:0" if spec.device.startswith("cuda") else "cpu")
-        self.free_since = time.perf_counter()
+        self.clock.free()
         return self.engine.start_seconds, ray.util.get_node_ip_address(), os.getpid()
 
     def load(self, packed: tuple, version: int) -> int:
-        self._busy()
-        self.reload += self.engine.reload(unpack_weights(packed), version)
-        self.free_since = time.perf_counter()
+        self.clock.busy()
+        self.clock.reload += self.engine.reload(unpack_weights(packed), version)
+        self.clock.free()
         return version
 
-    def generate(self, work: tuple, first: int) -> tuple:
-        """sample_and_score's tuple, then the seconds idle and reloading since the previous generate."""
+    def generate(self, work: Generate, first: int) -> Result:
+        """sample_and_score's Result for this engine's slice of the batch."""
         from rlhf.generation.engine_process import sample_and_score
 
-        self._busy()
-        result = (*sample_and_score(self.engine, self.scorer, work, first), self.idle, self.reload)
-        self.idle = self.reload = 0.0
-        self.free_since = time.perf_counter()
+        self.clock.busy()
+        result = sample_and_score(self.engine, self.scorer, work, self.clock, first)
+        self.clock.free()
         return result
-
-    def _busy(self) -> None:
-        self.idle += time.perf_counter() - self.free_since
 
 
 def pack_weights(weights: SharedWeights) -> tuple:
@@ -209,13 +214,11 @@ class RayEngines:
 
         self.device, self.max_staleness, self.num_engines = device, max_staleness, num_engines
         local = "RAY_ADDRESS" not in os.environ
-        cores = sorted(os.sched_getaffinity(0))
         resources = dict(num_gpus=1, num_cpus=1) if device.startswith("cuda") else dict(num_cpus=1)
         actor = ray.remote(max_restarts=0, max_task_retries=0, **resources)(EngineActor)
         # On the local node each engine gets a core of its own from the last one down, as the engine process does.
-        pin = local and device == "cpu" and len(cores) > 1
-        engine_cores = [cores[-1 - e % len(cores)] if pin else None for e in range(num_engines)]
-        self.actors = [actor.remote(core) for core in engine_cores]
+        cores = engine_cores(num_engines) if local and device == "cpu" else None
+        self.actors = [actor.remote(core) for core in cores or [None] * num_engines]
         # each actor's name in errors: its Ray id until it is built, then its node and pid
         self.where = [f"actor {e} (id {a._actor_id.hex()[:12]})" for e, a in enumerate(self.actors)]
         self._calls: deque = deque()  # (kind, key, engine index, ObjectRef), oldest first
@@ -223,8 +226,8 @@ class RayEngines:
         self._done: deque[tuple] = deque()  # messages ready for recv
         self._failed: RuntimeError | None = None
         self._cores_key = object()
-        if pin:  # the trainer keeps the cores no engine took (all when they took every one); given back at close
-            keep_off_cores(self._cores_key, set(engine_cores))
+        if cores:  # the trainer keeps the cores no engine took (all when they took every one); given back at close
+            keep_off_cores(self._cores_key, set(cores))
 
     @property
     def pid(self) -> None:
@@ -233,30 +236,31 @@ class RayEngines:
     def alive(self) -> bool:
         return self._failed is None
 
-    def send(self, msg: tuple, timeout: float) -> bool:
+    def send(self, msg: Build | Weights | Generate, timeout: float) -> bool:
         """Hand the message to every actor now (Ray queues the calls); always True."""
-        kind = msg[0]
-        if kind == "build":
-            self._call("ready", None, {e: a.build.remote(msg[1]) for e, a in enumerate(self.actors)})
-        elif kind == "weights":
-            import ray
+        import ray
 
-            packed = ray.put(pack_weights(msg[1]))
-            self._call("ack", msg[2], {e: a.load.remote(packed, msg[2]) for e, a in enumerate(self.actors)})
-        elif kind == "generate":
-            _, batch, prompts, params, score, parts = msg
-            cuts = slices(len(prompts), self.num_engines)  # a batch smaller than E leaves the last engines idle
-            calls = {
-                e: self.actors[e].generate.remote((batch, prompts[a:b], params, score, slice_parts(parts, a, b)), a)
-                for e, (a, b) in enumerate(cuts)
-                if b > a
-            }
-            self._call("result", batch, calls)
-        else:
-            raise ValueError(f"RayEngines: unknown message {kind!r}")
+        match msg:
+            case Build(spec):
+                self._call(Ready, None, {e: a.build.remote(spec) for e, a in enumerate(self.actors)})
+            case Weights(weights, version):
+                packed = ray.put(pack_weights(weights))
+                self._call(Ack, version, {e: a.load.remote(packed, version) for e, a in enumerate(self.actors)})
+            case Generate(batch, prompts, parts=parts):
+                cuts = slices(len(prompts), self.num_engines)  # a batch smaller than E leaves the last engines idle
+                calls = {
+                    e: self.actors[e].generate.remote(
+                        msg._replace(prompts=prompts[a:b], parts=slice_parts(parts, a, b)), a
+                    )
+                    for e, (a, b) in enumerate(cuts)
+                    if b > a
+                }
+                self._call(Result, batch, calls)
+            case _:
+                raise ValueError(f"RayEngines: unknown message {msg!r}")
         return True
 
-    def recv(self, timeout: float) -> tuple | None:
+    def recv(self, timeout: float) -> Ready | Ack | Result | None:
         """The next complete message (every actor's part of it arrived) within `timeout` seconds, else None."""
         import ray
 
@@ -293,12 +297,12 @@ class RayEngines:
                 ray.shutdown()
         give_back_cores(self._cores_key)
 
-    def _call(self, kind: str, key, refs: dict[int, object]) -> None:
+    def _call(self, kind: type, key, refs: dict[int, object]) -> None:
         """Track the calls `refs` (engine index -> ObjectRef) as the parts of one message."""
         self._parts[(kind, key)] = (len(refs), {})
         self._calls.extend((kind, key, e, ref) for e, ref in refs.items())
 
-    def _collect(self, kind: str, key, engine: int, ref) -> None:
+    def _collect(self, kind: type, key, engine: int, ref) -> None:
         import ray
 
         try:
@@ -309,7 +313,7 @@ class RayEngines:
             self._failed = self._actor_error(engine, "failed", err)
         if self._failed is not None:
             raise self._failed
-        if kind == "ready":
+        if kind is Ready:
             self.where[engine] = f"actor {engine} on node {value[1]}, pid {value[2]}"
         expected, parts = self._parts[(kind, key)]
         parts[engine] = value
@@ -321,19 +325,30 @@ class RayEngines:
         return RuntimeError(f"vLLM engine {self.where[engine]} of {self.num_engines} {what}: {err}")
 
 
-def _merge(kind: str, key, values: list) -> tuple:
+def _merge(kind: type, key, values: list) -> Ready | Ack | Result:
     """One message from every engine's part of it, in engine (= prompt) order."""
-    if kind == "ready":
-        return ("ready", max(v[0] for v in values))
-    if kind == "ack":
-        return ("ack", key)
-    responses, logprobs, scores, refs, prompts, versions, seconds, scoring, idle, reload = zip(*values)
+    if kind is Ready:
+        return Ready(max(v[0] for v in values))
+    if kind is Ack:
+        return Ack(key)
+    versions = tuple(r.version for r in values)
     if len(set(versions)) != 1:  # every actor loads every version before the batches after it
         raise RuntimeError(f"batch {key}: the engines sampled it with different weight versions {versions}")
 
-    def cat(arrays):
+    def cat(field: str):
+        arrays = [getattr(r, field) for r in values]
         return None if arrays[0] is None else np.concatenate(arrays)
 
-    prompts = [p for part in prompts for p in part]
-    timing = (max(seconds), max(scoring), min(idle), max(reload))
-    return ("result", key, cat(responses), cat(logprobs), cat(scores), cat(refs), prompts, versions[0], *timing)
+    return Result(
+        key,
+        cat("responses"),
+        cat("logprobs"),
+        cat("scores"),
+        cat("refs"),
+        [p for r in values for p in r.prompts],
+        versions[0],
+        seconds=max(r.seconds for r in values),
+        scoring=max(r.scoring for r in values),
+        idle=min(r.idle for r in values),
+        reload=max(r.reload for r in values),
+    )
