@@ -116,13 +116,13 @@ def test_the_sft_stage_trains_on_the_device(ci_data, tmp_path):
 
 
 def test_the_async_engine_scores_and_computes_the_reference_on_its_device(ci_data):
-    """The engine process's post-processing (rlhf.generation.engine_process.Scorer) run here on the guard device:
+    """The engine process's post-processing (rlhf.generation.engine_build.Scorer) run here on the guard device:
     the sampled responses arrive in host memory, the reward model and the reference run on the engine's device,
     and the results leave as numpy arrays, copied to the host first."""
     from dataclasses import replace
 
     from rlhf.generation.base import EngineSpec, ReferenceSpec, SamplingParams
-    from rlhf.generation.engine_process import Scorer
+    from rlhf.generation.engine_build import Scorer
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.proxy import RewardSpec
 

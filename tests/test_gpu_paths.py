@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from rlhf.config import LoraConfig, ModelConfig
-from rlhf.generation import engine_process
+from rlhf.generation import engine_build, engine_process
 from rlhf.generation.base import EngineSpec, Placement, ReferenceSpec
-from rlhf.generation.engine_process import MIN_KV_CACHE_BYTES, engine_memory_share
+from rlhf.generation.engine_build import MIN_KV_CACHE_BYTES, engine_memory_share
 from rlhf.models import loading, lora, tiny
 from rlhf.rewards.proxy import ProxyReward, RewardSpec
 from rlhf.runtime import visible_gpus
@@ -96,13 +96,13 @@ def test_the_engine_process_loads_its_scorer_first_and_gives_vllm_what_is_left(m
         def __init__(self, folder, eos, pad, seed, max_len, dtype, memory, device):
             order.append(("engine", memory, device))
 
-    monkeypatch.setattr(engine_process, "Scorer", ScorerHolding9GiB)
-    monkeypatch.setattr(engine_process, "VLLMEngine", VLLMOnAGpu)
-    monkeypatch.setattr(engine_process, "folder_parameters", lambda folder: PYTHIA["1b"])
+    monkeypatch.setattr(engine_build, "Scorer", ScorerHolding9GiB)
+    monkeypatch.setattr(engine_build, "VLLMEngine", VLLMOnAGpu)
+    monkeypatch.setattr(engine_build, "folder_parameters", lambda folder: PYTHIA["1b"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=H100))
     where = Placement("cuda:1", True, 0.9)
     spec = EngineSpec("vllm_async", "unused", 0, 0, 0, 64, where=where, reward=object(), dtype="bfloat16")
-    engine_process.build(spec, "cuda:0")
+    engine_build.build(spec, "cuda:0")
     assert order == ["scorer", ("engine", pytest.approx(0.9 - 9 / 80), "cuda:0")]
 
 
@@ -117,7 +117,7 @@ def test_the_scorer_holds_its_models_in_the_training_precision(tmp_path):
             "vllm_async", str(tmp_path / "policy"), tok.eos_token_id, tok.pad_token_id, 0, 64,
             reward=RewardSpec("proxy", str(tmp_path / "rm"), bf16=bf16), reference=ReferenceSpec(1.0, bf16),
         )  # fmt: skip
-        scorers[bf16] = engine_process.Scorer(spec, torch.device("cpu"))
+        scorers[bf16] = engine_build.Scorer(spec, torch.device("cpu"))
     assert {p.dtype for p in scorers[True].ref_model.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in scorers[True].reward_fn.model.parameters()} == {torch.bfloat16}
     assert scorers[True].nbytes * 2 == scorers[False].nbytes > 0

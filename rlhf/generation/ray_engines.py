@@ -154,7 +154,7 @@ class EngineActor:
         """(start-up seconds, node IP, pid) once the engine is built."""
         import ray
 
-        from rlhf.generation.engine_process import build
+        from rlhf.generation.engine_build import build
 
         self.engine, self.scorer = build(spec, "cuda:0" if spec.device.startswith("cuda") else "cpu")
         self.clock.free()
