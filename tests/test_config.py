@@ -279,3 +279,16 @@ def test_the_paper_layouts_in_docs_gpu_divide(trainer, processes, accumulation, 
     docs = (ROOT / "docs" / "gpu.md").read_text()
     line = f"--num_processes {processes} $P train --trainer {trainer}"
     assert line in docs and (accumulation == 16 or f"gradient_accumulation_steps={accumulation}" in docs)
+
+
+def test_a_batch_that_does_not_divide_over_the_training_processes_is_refused_naming_the_settings():
+    """The load-time check (W = 1) passes; the trainer's setup checks again for its W, in the same words."""
+    from rlhf.trainers.setup import Sizes
+
+    c = load_config(PARAMS, "ci").train  # P*G*M = 4*1*2 prompts per rank, 16 episodes
+    assert Sizes.derive(c, 2).num_batches == 1
+    sizes = re.escape("P*G*M*W (W: training processes) = 4*1*2*3 = 24")
+    with pytest.raises(
+        ValueError, match=rf"train.total_episodes \(16\) must be divisible by the prompts per batch {sizes}"
+    ):
+        Sizes.derive(c, 3)

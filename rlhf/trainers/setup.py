@@ -35,12 +35,6 @@ from rlhf.trainers.early import engine_placement, holds_own_process
 from rlhf.trainers.objectives import OBJECTIVES, Objective
 
 
-def exact_div(a: int, b: int, what: str) -> int:
-    if a % b:
-        raise ValueError(f"{what}: {a} is not divisible by {b}")
-    return a // b
-
-
 @dataclass(frozen=True)
 class Sizes:
     """Batch arithmetic, in prompts, computed once. W = training processes."""
@@ -54,7 +48,7 @@ class Sizes:
     @classmethod
     def derive(cls, c: TrainConfig, world: int) -> Sizes:
         local = c.per_device_train_batch_size * c.gradient_accumulation_steps * c.num_mini_batches
-        num_batches = exact_div(c.total_episodes, local * world, "train.total_episodes / (P*G*M*processes)")
+        num_batches = c.num_batches(world)  # the one divisibility check, naming the settings
         return cls(world, local, local * world, num_batches, num_batches * c.num_mini_batches * c.num_ppo_epochs)
 
 
