@@ -44,13 +44,13 @@ def cpu_flags() -> str:
     return " ".join(f for f in wanted if f in flags) or "none of avx2/avx512/amx"
 
 
-def timed_train(cfg, engine_process=None) -> tuple[float, list[dict]]:
-    """Run `train(cfg)` (with an engine process started earlier, rlhf.trainers.early): its wall seconds (model
-    loading and engine start-up included) and its train.csv rows."""
+def timed_train(cfg, started=None) -> tuple[float, list[dict]]:
+    """Run `train(cfg)` (with the engine placed and its process started earlier, rlhf.trainers.early): its wall
+    seconds (model loading and engine start-up included) and its train.csv rows."""
     from rlhf.trainers.loop import train
 
     start = time.perf_counter()
-    train(cfg, engine_process)
+    train(cfg, started)
     wall = time.perf_counter() - start
     with open(cfg.path("plots", "train.csv")) as f:
         return wall, list(csv.DictReader(f))

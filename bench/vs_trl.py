@@ -88,8 +88,8 @@ def run_ours(args) -> None:
     cfg = our_config(args, args.ours, scratch_data(out / "data", OURS_INPUTS), args.engine)
     from rlhf.trainers.early import start_engine_process
 
-    engine_process = start_engine_process(cfg)  # as the train stage does: before the imports (None for hf)
-    train_seconds, rows = timed_train(cfg, engine_process)
+    started = start_engine_process(cfg)  # as the train stage does: before the imports (no process for hf)
+    train_seconds, rows = timed_train(cfg, started)
     total = lambda key: column_sum(rows, key)  # noqa: E731
     result = {
         "episodes": cfg.train.total_episodes,

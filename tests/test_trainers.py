@@ -142,15 +142,39 @@ from rlhf.stages import train as stage
 from rlhf.trainers import early, loop
 seen = {}
 # stand-ins for the engine's process and the training itself: what the stage does before them is under test
-loop.train = lambda cfg, engine_process=None: seen.__setitem__(case, torch.get_num_threads()) or {}
+loop.train = lambda cfg, started=None: seen.__setitem__(case, torch.get_num_threads()) or {}
 for case, engine_process, world in [("alone", None, "1"), ("one-of-two-ranks", None, "2"),
                                     ("beside-an-engine-process", SimpleNamespace(close=lambda at_once: None), "1")]:
     os.environ["WORLD_SIZE"] = world
-    early.start_engine_process = lambda cfg, found=engine_process: found
+    early.start_engine_process = lambda cfg, found=engine_process: early.EarlyStart("vllm_async", None, found)
     torch.set_num_threads(1)
     stage.run(load_config(sys.argv[1], "ci"))
 print(json.dumps({"seen": seen, "cores": len(os.sched_getaffinity(0))}))
 """
+
+
+def test_the_train_stage_places_its_engine_once_and_the_trainer_builds_on_it(ci_data, monkeypatch):
+    """The stage's first step places the engine (rlhf.trainers.early) and hands the placement to the trainer's setup,
+    which does not place it again: one placement a run, whichever of the two would ask."""
+    from rlhf.stages import train as stage
+    from rlhf.trainers import early, setup
+
+    placed = []
+
+    def engine_placement(cfg):
+        placed.append(real(cfg))
+        return placed[-1]
+
+    real = early.engine_placement
+    monkeypatch.setattr(early, "engine_placement", engine_placement)
+    monkeypatch.setattr(setup, "engine_placement", engine_placement)  # setup's own name for it: asked without a start
+    threads = torch.get_num_threads()
+    try:
+        stage.run(ci_config(ci_data, "train.trainer=online_dpo", "train.total_episodes=8"))
+    finally:
+        torch.set_num_threads(threads)  # the stage, alone, takes every core: not the later tests' business
+    assert placed == [("hf", None)]  # the HF engine's (no vLLM in this process), placed by the stage only
+    assert len(read_rows(ci_data)) == 1
 
 
 def test_the_train_stage_takes_every_core_only_when_alone():

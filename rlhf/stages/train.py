@@ -9,9 +9,10 @@ from rlhf.runtime import env_int, threads_alone
 def run(cfg: Config) -> dict:
     from rlhf.trainers.early import start_engine_process
 
-    # First: an engine in its own process imports vLLM while this process imports the trainer and loads models.
-    engine_process = start_engine_process(cfg)
-    if engine_process is None and env_int("WORLD_SIZE", 1, minimum=1) == 1:
+    # First: the engine placed, once for the run; one in its own process imports vLLM from now on, while this
+    # process imports the trainer and loads models.
+    started = start_engine_process(cfg)
+    if started.process is None and env_int("WORLD_SIZE", 1, minimum=1) == 1:
         # Alone on the box (generation in this process, no other training process): every core it may use. Sync
         # online DPO on `tiny`: 36.5 -> 29.3 s with HF generate, 41.9 -> 32.4 s with vLLM colocated (2 cores).
         import torch
@@ -20,10 +21,9 @@ def run(cfg: Config) -> dict:
     try:
         from rlhf.trainers.loop import train
 
-        final = train(cfg, engine_process)
+        final = train(cfg, started)
     finally:
-        if engine_process is not None:
-            engine_process.close(at_once=True)  # a no-op once the engine has closed it; else it never built
+        started.close()  # a no-op once the engine has closed its process; else it never built
     if final:
         print(
             f"train [{cfg.train.trainer}]: "

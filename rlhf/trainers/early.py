@@ -8,6 +8,8 @@ the first batch waits for the difference only. So this module imports no trainer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlhf.config import Config
@@ -26,7 +28,7 @@ def launch() -> tuple[int, int, torch.device]:
 def engine_placement(cfg: Config) -> tuple[str, Placement | None]:
     """(train.engine as the trainer resolves it, where its vLLM engine runs beside this launch's training processes;
     None for the HF engine, which samples from the training model itself). The one place the trainer's engine is
-    placed: this stage's early start and the trainer's setup both ask here."""
+    placed, once per run: by this stage's early start, or by the trainer's setup when nothing started it."""
     name = resolve(cfg.train.trainer, cfg.train.engine)[1]
     if name == "hf":
         return name, None
@@ -35,19 +37,36 @@ def engine_placement(cfg: Config) -> tuple[str, Placement | None]:
     return name, placement(name, c.engine_device, c.engine_gpu_memory_utilization, world, device, c.engine_backend)
 
 
+@dataclass(frozen=True)
+class EarlyStart:
+    """What the train stage's first step decided and started, handed to the trainer (rlhf.trainers.setup), which
+    builds on it rather than placing the engine again."""
+
+    engine: str  # train.engine as the trainer resolves it
+    where: Placement | None  # engine_placement's; None: the HF engine
+    process: object = None  # the engine's channel (start_engine), on the rank that holds it in its own process
+
+    def close(self) -> None:
+        """Stop the process if no engine took it over; a no-op once the engine has closed it."""
+        if self.process is not None:
+            self.process.close(at_once=True)
+
+
 def holds_own_process(where: Placement | None) -> bool:
     """This rank holds an engine in a process of its own (rank 0: vllm_async, or vllm beside several training
     processes or on another device)."""
     return where is not None and where.own_process and launch()[0] == 0
 
 
-def start_engine_process(cfg: Config):
-    """That engine's channel (rlhf.generation.async_engine.start_engine: its process, or its Ray actors), importing
-    vLLM from now on; or None."""
+def start_engine_process(cfg: Config) -> EarlyStart:
+    """The engine placed, and its channel (rlhf.generation.async_engine.start_engine: its process, or its Ray
+    actors) importing vLLM from now on where this rank holds it in a process of its own."""
     name, where = engine_placement(cfg)
     if not holds_own_process(where):
-        return None
+        return EarlyStart(name, where)
     from rlhf.generation.async_engine import start_engine
 
     c = cfg.train
-    return start_engine(where, lookahead(name, c.max_staleness), c.engine_backend, c.num_engines)
+    return EarlyStart(
+        name, where, start_engine(where, lookahead(name, c.max_staleness), c.engine_backend, c.num_engines)
+    )

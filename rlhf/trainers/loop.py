@@ -31,6 +31,7 @@ from rlhf.models.loading import save_policy
 from rlhf.runtime import crash_point, seconds_since_start
 from rlhf.tracking import Tracker
 from rlhf.trainers import checkpoint, frontier
+from rlhf.trainers.early import EarlyStart
 from rlhf.trainers.objectives import Rollout
 from rlhf.trainers.setup import Run, setup
 
@@ -38,10 +39,10 @@ ROWS_FILE = "metric_rows.json"  # in each checkpoint: the rows logged so far, so
 CONFIG_FILE = "config.yaml"  # the resolved configuration, next to the trained policy and in every checkpoint
 
 
-def train(cfg: Config, engine_process=None) -> dict:
+def train(cfg: Config, started: EarlyStart | None = None) -> dict:
     """Train with the preset cfg.train.trainer; the final metrics (on the main process; {} on the others).
-    engine_process: the engine's process if the stage started it already (rlhf.trainers.early)."""
-    run = setup(cfg, engine_process)
+    started: the engine as the stage placed it, and its process if it started one (rlhf.trainers.early)."""
+    run = setup(cfg, started)
     with contextlib.closing(run.engine):  # an error must not leave an engine process behind
         state, rows = start(run)
         tracker = Tracker(cfg, "train", enabled=run.acc.is_main_process, rows=rows, run_id=state.wandb_run_id)

@@ -31,7 +31,7 @@ from rlhf.models.lora import AdaptersOff, add_adapters
 from rlhf.presets import resolve
 from rlhf.rewards.proxy import GoldReward, RewardSpec, RuleReward
 from rlhf.runtime import env_int
-from rlhf.trainers.early import engine_placement, holds_own_process
+from rlhf.trainers.early import EarlyStart, engine_placement, holds_own_process
 from rlhf.trainers.objectives import OBJECTIVES, Objective
 
 
@@ -101,11 +101,13 @@ def checkpoint_dir(cfg: Config) -> Path:
     return cfg.path("checkpoints", f"train-{fingerprint(cfg)}")
 
 
-def setup(cfg: Config, engine_process=None) -> Run:
-    """engine_process: the engine's process, started by the stage before the trainer's imports (rlhf.trainers.early)."""
+def setup(cfg: Config, started: EarlyStart | None = None) -> Run:
+    """started: the stage's first step (rlhf.trainers.early): the engine's placement and, where this rank holds it in
+    a process of its own, that process, started before the trainer's imports. None: the engine is placed here."""
     c = cfg.train
     algorithm = resolve(c.trainer, c.engine)[0]
-    engine_name, where = engine_placement(cfg)  # as the stage's early start placed it
+    started = started or EarlyStart(*engine_placement(cfg))
+    engine_name, where, engine_process = started.engine, started.where, started.process
     objective = OBJECTIVES[algorithm](c)
     tokenizer = load_tokenizer(cfg.path("sft"))
     prompts = load_rl_prompts(cfg, tokenizer)
