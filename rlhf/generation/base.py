@@ -74,8 +74,12 @@ class EngineSpec:
 
     @property
     def lookahead(self) -> int:
-        """Batches sampled ahead of training: max_staleness for vllm_async, else 0."""
-        return self.max_staleness if self.name == "vllm_async" else 0
+        return lookahead(self.name, self.max_staleness)
+
+
+def lookahead(name: str, max_staleness: int) -> int:
+    """How many batches engine `name` samples ahead of training: max_staleness for vllm_async, else 0."""
+    return max_staleness if name == "vllm_async" else 0
 
 
 @dataclass

@@ -65,11 +65,6 @@ def check_runnable_here(c, gpus: int, cpus: int, ray_address: str | None, world:
             )
 
 
-def lookahead(name: str, max_staleness: int) -> int:
-    """How many batches engine `name` samples ahead of training: max_staleness for vllm_async, else 0."""
-    return max_staleness if name == "vllm_async" else 0
-
-
 def token_ids(tokenizer) -> dict[str, int]:
     """The eos and pad token ids every engine needs, from `tokenizer`; ValueError when it lacks one."""
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:

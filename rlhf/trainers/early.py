@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.config import Config
-from rlhf.generation.factory import Placement, lookahead, placement
+from rlhf.generation.base import Placement, lookahead
+from rlhf.generation.factory import placement
 from rlhf.presets import resolve
 from rlhf.runtime import env_int
 
