@@ -69,6 +69,30 @@ def test_collate_right_pads_and_masks_labels():
     assert labels.tolist() == [[5, 6, 7], [8, -100, -100]]
 
 
+@pytest.mark.parametrize("architecture", ["llama", "gpt_neox"])
+def test_packed_batches_give_the_padded_batches_loss_and_gradients(architecture):
+    tok = tiny.train_word_tokenizer(_reviews(50), vocab_size=64)
+    model = tiny.build_tiny_model(MICRO_MODEL.model_copy(update={"architecture": architecture}), tok, seed=0)
+    rng = random.Random(0)
+    seqs = [[rng.randrange(4, len(tok)) for _ in range(rng.randrange(2, 16))] for _ in range(12)]
+    prompts = [rng.randrange(0, len(s) - 1) for s in seqs]  # 0: a plain text, every token but the first learnt
+
+    def loss_and_grads(inputs):
+        model.zero_grad()
+        loss = model(**inputs).loss
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    ids, mask, labels = sft.collate(seqs, tok.pad_token_id, prompts)
+    padded, padded_grads = loss_and_grads({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    inputs = sft.pack(seqs, tok.pad_token_id, prompts, row_tokens=32)
+    packed, packed_grads = loss_and_grads(inputs)
+    assert len(inputs["input_ids"]) < len(seqs)  # several sequences share a row
+    assert packed == pytest.approx(padded, rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(packed_grads, padded_grads))
+    assert (inputs["labels"] != sft.IGNORE).sum() == (labels[:, 1:] != sft.IGNORE).sum()  # the same tokens learnt
+
+
 def test_batch_order_covers_epochs_and_is_seeded():
     batches = sft.batch_order(10, batch_size=4, epochs=1.0, seed=0)
     assert [len(b) for b in batches] == [4, 4, 2]

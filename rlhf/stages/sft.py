@@ -31,6 +31,7 @@ IGNORE = -100  # label of padding and prompt positions: F.cross_entropy's ignore
 ADAM_BETAS = (0.9, 0.95)  # the usual LM-pretraining betas: 0.95 adapts faster to the shifting gradient scale
 MAX_GRAD_NORM = 1.0
 SAMPLE_PROMPT_WORDS = 8
+PACKED_ROW_TOKENS = 144  # pack's rows: ~3 sequences of the tiny SFT's 48 tokens (measured vs 96, 192 and padding)
 PLAIN_SEPARATOR = " "  # between a pair's prompt and completion when they are plain text (no chat template)
 
 
@@ -186,6 +187,48 @@ def collate(
     return input_ids, mask, labels
 
 
+def pack(
+    seqs: list[list[int]], pad_id: int, prompt_lengths: list[int] | None = None, row_tokens: int = 0
+) -> dict[str, torch.Tensor]:
+    """The model's inputs for a batch, several sequences per row: (input_ids, position_ids, labels) (R, T) and an
+    attention_mask (R, 1, T, T), True where a token may attend (earlier tokens of its own sequence).
+
+    Rows hold up to max(row_tokens, longest) tokens, filled longest first (first fit). Right-padding each sequence to
+    the batch's longest spent ~40% of the tiny SFT's compute on padding; packed, the same sequences give the same
+    loss (position ids restart at 0 in each sequence, the mask keeps sequences apart). Labels as collate's: IGNORE on
+    padding, on each sequence's first prompt_lengths[i] tokens, and on its first token (the model's shift would
+    otherwise have it predicted by the previous sequence's last token).
+    """
+    capacity = max(row_tokens, max(len(s) for s in seqs))
+    rows: list[list[int]] = []  # sequence positions per row
+    free: list[int] = []
+    for i in sorted(range(len(seqs)), key=lambda i: -len(seqs[i])):
+        row = next((r for r, left in enumerate(free) if left >= len(seqs[i])), len(rows))
+        if row == len(rows):
+            rows.append([])
+            free.append(capacity)
+        rows[row].append(i)
+        free[row] -= len(seqs[i])
+    width = capacity - min(free)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    sequence = torch.full((len(rows), width), -1, dtype=torch.long)  # which sequence a token is of; -1: padding
+    labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for row, members in enumerate(rows):
+        start = 0
+        for i in members:
+            seq, end = torch.tensor(seqs[i]), start + len(seqs[i])
+            input_ids[row, start:end], sequence[row, start:end] = seq, i
+            position_ids[row, start:end] = torch.arange(len(seq))
+            learnt_from = start + max(1, prompt_lengths[i] if prompt_lengths else 0)
+            labels[row, learnt_from:end] = seq[learnt_from - start :]
+            start = end
+    same = (sequence[:, :, None] == sequence[:, None, :]) & (sequence[:, :, None] >= 0)
+    # a padding position attends to itself: a row of the softmax with nothing to attend to would be NaN
+    mask = (same | torch.eye(width, dtype=torch.bool)) & torch.ones(width, width, dtype=torch.bool).tril()
+    return {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": mask[:, None], "labels": labels}
+
+
 def batch_order(n: int, batch_size: int, epochs: float, seed: int) -> list[list[int]]:
     """Index batches covering round(epochs * n) samples: a fresh seeded permutation per epoch, chained.
 
@@ -238,8 +281,8 @@ def train_causal_lm(
         torch.manual_seed(seed)
         for step, batch in enumerate(batches):
             lengths = [prompt_lengths[i] for i in batch] if prompt_lengths else None
-            input_ids, mask, labels = (t.to(device) for t in collate([seqs[i] for i in batch], pad_id, lengths))
-            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            inputs = pack([seqs[i] for i in batch], pad_id, lengths, PACKED_ROW_TOKENS)
+            loss = model(**{name: t.to(device) for name, t in inputs.items()}).loss
             if not torch.isfinite(loss):
                 raise FloatingPointError(
                     f"sft: loss became {loss.item()} at step {step + 1}/{len(batches)}; nothing was saved. "
