@@ -36,7 +36,10 @@ class SharedEngine:
         if self.engine is not None:
             self.engine.seek(batch)
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, parts: list[int] | None = None) -> None:
+        """This rank's prompts; the parts are the ranks' (gathered here), so a caller passes none."""
+        if parts is not None:
+            raise ValueError("SharedEngine.submit: each rank submits its own prompts; the parts are gathered here")
         parts = [None] * self.world if self.rank == 0 else None
         dist.gather_object(prompts, parts, dst=0)
         if self.engine is not None:
