@@ -10,7 +10,7 @@ and where its time goes).
 Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`; --profile smollm2: its own,
 built once under .cache/bench/smollm2-data, see common.smollm2_data). Usage:
     .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [--seeds 3] [--runs a,b]
-        [key=value ...]
+        [seed=S (the first seed)] [key=value ...]
 Each run is `rlhf train` in a process of its own, as the train stage runs: "wall" is its wall clock (imports,
 model loading, engine start-up and saving included), "loop" its iterations, "1st wait" the learner waiting for the
 first batch (the async engine starting up) and "steady" the loop without that wait. Prints these, episodes/s, the
@@ -96,7 +96,8 @@ def main() -> None:
     unknown = sorted(set(chosen) - {*RUNS, *TWO_RANKS})
     if unknown or "vllm_async" not in chosen or not set(SYNC) & set(chosen):
         raise SystemExit(f"--runs: {args.runs!r}: needs vllm_async and a sync run among {[*RUNS, *TWO_RANKS]}")
-    base = load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
+    first, args.overrides = split_seed(args.overrides)
+    base = first if first is not None else load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
     runs = {k: v for k, v in {**RUNS, **TWO_RANKS}.items() if k in chosen}
     per_seed = [run_all(args, base, runs)]
     # the other seeds: the first seed's fastest sync run by the wall clock (the baseline) and async
@@ -104,6 +105,19 @@ def main() -> None:
     later = {k: v for k, v in runs.items() if k in (best, "vllm_async")}
     per_seed += [run_all(args, base + i, later) for i in range(1, args.seeds)]
     summarise(args, per_seed)
+
+
+def split_seed(overrides: list[str]) -> tuple[int | None, list[str]]:
+    """(the first seed, if a `seed=S` override asks for one; the other overrides). Every run sets its own seed, and
+    the overrides come after it: passed on, a seed override made every seed the same run (seen: seeds "1236" and
+    "1237" gave identical results). train.seed, which training reads before seed, is refused for the same reason."""
+    seeds = [o for o in overrides if o.split("=", 1)[0] in ("seed", "train.seed")]
+    if any(o.startswith("train.seed=") for o in seeds):
+        raise SystemExit(
+            "train.seed: each run sets its own seed; choose the first with seed=S and how many with --seeds"
+        )
+    first = int(seeds[-1].split("=", 1)[1]) if seeds else None
+    return first, [o for o in overrides if o not in seeds]
 
 
 def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:

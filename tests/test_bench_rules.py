@@ -44,3 +44,11 @@ def test_time_to_quality_reads_the_level_off_the_baselines_own_curve():
     assert level == pytest.approx(0.6)
     assert async_vs_sync.seconds_to(level, curve) == 14.0
     assert async_vs_sync.seconds_to(0.9, curve) == math.inf  # never reached
+
+
+def test_a_seed_override_chooses_the_first_seed_and_is_not_passed_on():
+    """Passed on after each run's own seed=, it made every seed the same run."""
+    assert async_vs_sync.split_seed(["seed=1236", "train.total_episodes=256"]) == (1236, ["train.total_episodes=256"])
+    assert async_vs_sync.split_seed(["train.total_episodes=256"]) == (None, ["train.total_episodes=256"])
+    with pytest.raises(SystemExit, match="train.seed"):
+        async_vs_sync.split_seed(["train.seed=3"])
