@@ -203,8 +203,20 @@ def sample_and_score(engine: VLLMEngine, scorer, work: Generate, clock: EngineCl
     with_scores = scorer is not None and work.score
     scores, refs = scorer(work.prompts, gen.responses, work.params, work.parts) if with_scores else (None, None)
     scoring = time.perf_counter() - scored
-    sampled = (gen.responses.numpy(), gen.logprobs.numpy(), scores, refs, gen.prompts, gen.version, gen.seconds)
-    return Result(work.batch, *sampled, scoring, *clock.take())
+    idle, reload = clock.take()
+    return Result(
+        batch=work.batch,
+        responses=gen.responses.numpy(),
+        logprobs=gen.logprobs.numpy(),
+        scores=scores,
+        refs=refs,
+        prompts=gen.prompts,
+        version=gen.version,
+        seconds=gen.seconds,
+        scoring=scoring,
+        idle=idle,
+        reload=reload,
+    )
 
 
 def _next_work(inbox, stop):

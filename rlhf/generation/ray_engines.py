@@ -340,13 +340,13 @@ def _merge(kind: type, key, values: list) -> Ready | Ack | Result:
         return None if arrays[0] is None else np.concatenate(arrays)
 
     return Result(
-        key,
-        cat("responses"),
-        cat("logprobs"),
-        cat("scores"),
-        cat("refs"),
-        [p for r in values for p in r.prompts],
-        versions[0],
+        batch=key,
+        responses=cat("responses"),
+        logprobs=cat("logprobs"),
+        scores=cat("scores"),
+        refs=cat("refs"),
+        prompts=[p for r in values for p in r.prompts],
+        version=versions[0],
         seconds=max(r.seconds for r in values),
         scoring=max(r.scoring for r in values),
         idle=min(r.idle for r in values),
