@@ -27,6 +27,7 @@ import argparse
 import csv
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,7 @@ RUNS = {
     "vllm_colocated": ("online_dpo_single_vllm", ()),
     "vllm_colocated_2t": ("online_dpo_single_vllm", ()),
     "vllm_async": ("online_dpo_vllm", ()),
+    "vllm_async_first": ("online_dpo_vllm", ()),  # + train.learner_first_batches (learner_first_batches below)
     "vllm_async_ray1": ("online_dpo_vllm", (*RAY, "train.num_engines=1")),
     "vllm_async_ray2": ("online_dpo_vllm", (*RAY, "train.num_engines=2")),
 }
@@ -96,13 +98,15 @@ def main() -> None:
     unknown = sorted(set(chosen) - {*RUNS, *TWO_RANKS})
     if unknown or "vllm_async" not in chosen or not set(SYNC) & set(chosen):
         raise SystemExit(f"--runs: {args.runs!r}: needs vllm_async and a sync run among {[*RUNS, *TWO_RANKS]}")
+    if "vllm_async_first" in chosen and "sync_hf" not in chosen:
+        raise SystemExit(f"--runs: {args.runs!r}: vllm_async_first needs sync_hf (learner_first_batches)")
     first, args.overrides = split_seed(args.overrides)
     base = first if first is not None else load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
     runs = {k: v for k, v in {**RUNS, **TWO_RANKS}.items() if k in chosen}
     per_seed = [run_all(args, base, runs)]
     # the other seeds: the first seed's fastest sync run by the wall clock (the baseline) and async
     best = min((n for n in per_seed[0] if n in SYNC), key=lambda n: per_seed[0][n]["wall_seconds"])
-    later = {k: v for k, v in runs.items() if k in (best, "vllm_async")}
+    later = {k: v for k, v in runs.items() if k in (best, "vllm_async", "vllm_async_first")}
     per_seed += [run_all(args, base + i, later) for i in range(1, args.seeds)]
     summarise(args, per_seed)
 
@@ -126,19 +130,24 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
     results = {}
     source = smollm2_data() if args.profile == "smollm2" else None  # else the pipeline's data/ (make run)
     for name, (trainer, extra) in runs.items():
+        if name == "vllm_async_first":  # the first seed's rule, kept for the others
+            args.first_batches = getattr(args, "first_batches", None) or learner_first_batches(results)
+            extra = (*extra, f"train.learner_first_batches={args.first_batches}")
         data = scratch_data(ROOT / "bench" / "out" / name / "data", source=source)
         settings = [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", f"seed={seed}"]
         settings += extra
         cfg = load_config(ROOT / "params.yaml", args.profile, [*settings, *args.overrides])
         settings += args.overrides
         threads = 2 if name.endswith("_2t") else 1
-        wall, rows = stage_train(cfg, settings, args.profile, processes=2 if name in TWO_RANKS else 1, threads=threads)
+        processes = 2 if name in TWO_RANKS else 1
+        wall, cpu, rows = stage_train(cfg, settings, args.profile, processes=processes, threads=threads)
         loop = column_sum(rows, "timing/step")
-        first_wait = float(rows[0].get("timing/wait") or 0)
+        first_wait = float(rows[cfg.train.learner_first_batches].get("timing/wait") or 0)  # the engine's first
         results[name] = {
             "wall_seconds": wall,  # `rlhf train` by the wall clock: imports, model loading, engine start-up, saving
+            "cpu_seconds": cpu,  # CPU time of the run's processes: the cores cannot do it in less than cpu / cores
             "loop_seconds": loop,  # the iterations only
-            "first_wait_seconds": first_wait,  # batch 1: the learner waiting for the engine to start (async)
+            "first_wait_seconds": first_wait,  # the learner waiting for the engine to start (async)
             "steady_loop_seconds": loop - first_wait,  # the iterations, engine start-up left out
             "episodes_per_second": cfg.train.total_episodes / loop,
             "generation_seconds": column_sum(rows, "timing/generation"),
@@ -147,6 +156,7 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
             **{f"{part}_seconds": column_sum(rows, f"timing/{part}") for part in BREAKDOWN},
             "final_gold": eval_gold(cfg),
             "max_staleness_seen": max(float(r["async/staleness"]) for r in rows),
+            "batches": len(rows),
             "curve": gold_curve(rows),  # (rolling gold of the samples, seconds from process start) per batch
         }
         print(
@@ -154,6 +164,14 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
             flush=True,
         )
     return results
+
+
+def learner_first_batches(results: dict[str, dict]) -> int:
+    """train.learner_first_batches of vllm_async_first, by a rule fixed before its run: the plain async run's first
+    wait (the engine's start-up) over a synchronous step on one thread (sync_hf: what the learner does a batch while
+    the engine starts), rounded."""
+    step = results["sync_hf"]["loop_seconds"] / results["sync_hf"]["batches"]
+    return max(1, round(results["vllm_async"]["first_wait_seconds"] / step))
 
 
 def gold_curve(rows: list[dict]) -> list[tuple[float, float]]:
@@ -189,11 +207,31 @@ def stage_train(cfg, settings: list[str], profile: str, processes: int = 1, thre
         launch = ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml")]
         cli = [*launch, "--num_processes", str(processes), "-m", "rlhf.cli", *cli[1:]]
     env = {**os.environ, "RLHF_TORCH_THREADS": str(threads)}
-    start = time.perf_counter()
+    before, start = _children_cpu_seconds(), time.perf_counter()
     subprocess.run([sys.executable, "-m", "rlhf.runtime", *cli], check=True, env=env)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, _children_cpu_seconds() - before
     with open(cfg.path("plots", "train.csv")) as f:
-        return wall, list(csv.DictReader(f))
+        return wall, cpu, list(csv.DictReader(f))
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of every process this one has waited for, their own waited-for children included
+    (the engine process, which `rlhf train` joins)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def versus_best_sync(per_seed: list[dict[str, dict]], best: list[str], run: str) -> tuple[list[float], ...]:
+    """Per seed, the best sync against `run`: speedups by loop, steady loop, wall clock and time to quality (0: `run`
+    never reached the level), and `run`'s gold minus the best sync's (points)."""
+    pairs = [(r[b], r[run]) for r, b in zip(per_seed, best)]
+
+    def ratio(key: str) -> list[float]:
+        return [s[key] / a[key] for s, a in pairs]
+
+    to_quality = [s["seconds_to_quality"] / a.get("seconds_to_quality", math.inf) for s, a in pairs]
+    gaps = [100 * (a["final_gold"] - s["final_gold"]) for s, a in pairs]
+    return ratio("loop_seconds"), ratio("steady_loop_seconds"), ratio("wall_seconds"), to_quality, gaps
 
 
 def summarise(args, per_seed: list[dict[str, dict]]) -> None:
@@ -206,7 +244,6 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
     # the best sync of each seed: the fastest sync run by the wall clock, whatever its engine and thread count
     best = [min((n for n in r if n in SYNC), key=lambda n, r=r: r[n]["wall_seconds"]) for r in per_seed]
     results, sync_name = per_seed[0], best[0]
-    to_quality = []  # per seed: best sync's seconds to the quality level / async's (0: async never reached it)
     for r, b in zip(per_seed, best):
         level = quality_level(r[b])
         for run in r.values():
@@ -214,11 +251,7 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
             run["quality_level"], reached = level, seconds_to(level, curve)
             if reached < math.inf:  # never reached: no entry (JSON has no infinity)
                 run["seconds_to_quality"] = reached
-        to_quality.append(r[b]["seconds_to_quality"] / r["vllm_async"].get("seconds_to_quality", math.inf))
-    gaps = [100 * (r["vllm_async"]["final_gold"] - r[b]["final_gold"]) for r, b in zip(per_seed, best)]
-    speedups = [r[b]["loop_seconds"] / r["vllm_async"]["loop_seconds"] for r, b in zip(per_seed, best)]
-    walls = [r[b]["wall_seconds"] / r["vllm_async"]["wall_seconds"] for r, b in zip(per_seed, best)]
-    steadies = [r[b]["steady_loop_seconds"] / r["vllm_async"]["steady_loop_seconds"] for r, b in zip(per_seed, best)]
+    speedups, steadies, walls, to_quality, gaps = versus_best_sync(per_seed, best, "vllm_async")
     sync = results[sync_name]
     ideal = (sync["generation_seconds"] + sync["learner_seconds"]) / max(
         sync["generation_seconds"], sync["learner_seconds"]
@@ -235,6 +268,12 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
     }
     if len(gaps) > 1:  # one seed has no standard error; NaN would be a `dvc metrics diff` row forever (NaN != NaN)
         summary["gold_async_minus_sync_points_stderr"] = statistics.stdev(gaps) / len(gaps) ** 0.5
+    if all("vllm_async_first" in r for r in per_seed):  # the learner sampling while the engine starts
+        first = versus_best_sync(per_seed, best, "vllm_async_first")
+        summary["learner_first_batches"] = args.first_batches
+        for key, values in zip(("loop", "steady", "wall", "time_to_quality", "gold_minus_sync_points"), first):
+            summary[f"async_first_{key}_mean_over_seeds"] = statistics.mean(values)
+        print("vllm_async_first per seed: loop, steady, wall, to quality, gold - sync:", [list(v) for v in first])
     for name in SYNC:  # every sync run of the first seed against async, by the wall clock
         if name in results:
             summary[f"wall_{name}_vs_async"] = results[name]["wall_seconds"] / results["vllm_async"]["wall_seconds"]
@@ -256,9 +295,10 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
         f"\nonline DPO, profile {args.profile}, best sync per seed (by the wall clock): {', '.join(best)}; "
         f"{args.seeds} seed(s) (table: the first; _2t: two torch threads, else one per process; CPU: {cpu_flags()})"
     )
-    keys = ("wall", "loop", "first_wait", "steady_loop", "episodes_per_second", "generation", "learner", *BREAKDOWN)
+    keys = ("wall", "cpu", "loop", "first_wait", "steady_loop", "episodes_per_second", "generation", "learner")
+    keys += BREAKDOWN
     keys += ("to_quality", "final_gold")
-    labels = ("wall s", "loop s", "1st wait s", "steady s", "eps/s", "gen s", "learner s", "score s", "ref s")
+    labels = ("wall s", "cpu s", "loop s", "1st wait s", "steady s", "eps/s", "gen s", "learner s", "score s", "ref s")
     labels += ("update s", "sync s", "wait s")
     labels += ("eng scr s", "eng idle s", "quality s", "gold")
     print(

@@ -167,17 +167,54 @@ def test_split_by_rank_gives_each_rank_the_samples_of_its_own_prompts():
     assert second.logprobs.tolist() == (responses[2:].float() / 100).tolist() and second.version == 3
 
 
-def test_auto_scoring_moves_only_when_the_move_shortens_the_step():
-    """score_in_engine: auto. The measured run that asked for this (docs/benchmarks.md, RLOO async on SmolLM2):
-    update 45 s, generation 20 s, scoring 30 s. In the engine: the learner waits ~5 s a batch, the step ~50 s; moved to
-    the learner, the step would be 75 s: it stays. The learner moves it back once the engine idles longer than it
-    costs."""
-    from rlhf.generation.async_engine import engine_scores_next
+def _pipeline(learner: float, generation: float, cost: float, every: int | None = None) -> tuple[float, float]:
+    """A learner and an engine sampling one batch ahead (N = 1), as AsyncEngine and the loop drive them, with the
+    seconds a batch each takes; score_in_engine auto chooses who scores, or the learner scores every `every`-th batch
+    (0: none). (seconds a batch, fraction of the batches the learner scored), over 400 batches."""
+    from rlhf.generation.async_engine import ScoringSplit
 
-    assert engine_scores_next(True, learner_wait=5.0, engine_idle=0.0, cost=30.0)  # the measured case: stays
-    assert not engine_scores_next(True, learner_wait=40.0, engine_idle=0.0, cost=30.0)  # generation-bound: moves
-    assert not engine_scores_next(False, learner_wait=0.0, engine_idle=20.0, cost=30.0)  # moving back would cost more
-    assert engine_scores_next(False, learner_wait=0.0, engine_idle=45.0, cost=30.0)  # the engine idles: back
+    split, engine_free, batch, clock, learner_scored, batches = ScoringSplit(), 0.0, {}, 0.0, 0, 400
+
+    def submit(b: int, at: float) -> None:  # the engine works through batches in order, each once submitted
+        nonlocal engine_free
+        scores = split.engine_scores_next() if every is None else not every or b % every != every - 1
+        engine_free = max(engine_free, at) + generation + cost * scores
+        batch[b] = (engine_free, scores)
+
+    submit(0, 0.0)
+    received_at, scored_here = None, False
+    for t in range(batches):
+        if t + 1 < batches:
+            submit(t + 1, clock)
+        ready, scores = batch[t]
+        busy = None if received_at is None else clock - received_at
+        clock = max(clock, ready)
+        split.observe(busy, generation, cost * scores, scored_here)
+        received_at, scored_here = clock, not scores
+        clock += learner + cost * (not scores)
+        learner_scored += not scores
+    return clock / batches, learner_scored / batches
+
+
+@pytest.mark.parametrize(
+    "learner, generation, cost, share",
+    [
+        (0.18, 0.16, 0.09, 0.5),  # tiny on 2 cores (docs/benchmarks.md): all in the engine, the step was 0.25 s
+        (45.0, 20.0, 30.0, 0.0),  # RLOO on SmolLM2, the measured run that asked for auto: it stays in the engine
+        (1.0, 0.2, 0.1, 0.0),  # an engine much faster than the learner (a GPU of its own)
+        (0.1, 1.0, 0.3, 1.0),  # generation-bound: the learner scores every batch
+    ],
+)
+def test_auto_scoring_takes_the_fastest_split(learner, generation, cost, share):
+    """score_in_engine: auto. The learner scores no batch, every other one, or all, whichever the measured seconds
+    say is fastest; the step then comes within 2% of the fastest of every fixed split (the learner scoring every
+    k-th batch, k = 0 (never) .. 5, or every batch), and on tiny it beats the engine scoring all (the old rule)."""
+    step, scored_here = _pipeline(learner, generation, cost)
+    assert scored_here == pytest.approx(share, abs=0.01)
+    fixed = [_pipeline(learner, generation, cost, every)[0] for every in range(6)]
+    assert step <= 1.02 * min(fixed)
+    if share == 0.5:
+        assert step < 0.95 * fixed[0]
 
 
 def test_engines_give_back_their_cores_in_any_order():

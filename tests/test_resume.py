@@ -64,23 +64,32 @@ def rows(data_dir) -> list[dict]:
 
 
 # sync HF engine; async vLLM engine, N=1, as a Ray actor (the engine process: the two-rank test below; two Ray
-# engines: tests/test_vllm_engines.py and test_async_training.py). Resumed runs equal to the uninterrupted one, each
-# in a process of its own: also a determinism test of the Ray engine.
+# engines: tests/test_vllm_engines.py and test_async_training.py); the engine process with the learner sampling the
+# first 2 of the 4 batches while the engine starts (train.learner_first_batches), the engine scoring its own batches.
+# Resumed runs equal to the uninterrupted one, each in a process of its own: also a determinism test of the engines.
 @pytest.mark.parametrize(
-    "trainer, extra",
-    [("online_dpo", ()), ("online_dpo_vllm", ("train.engine_backend=ray", "train.num_engines=1"))],
-    ids=["online_dpo", "online_dpo_vllm-ray1"],
+    "trainer, extra, staleness",
+    [
+        ("online_dpo", (), [0, 0, 0, 0]),
+        ("online_dpo_vllm", ("train.engine_backend=ray", "train.num_engines=1"), [0, 1, 1, 1]),
+        ("online_dpo_vllm", ("train.learner_first_batches=2", "train.score_in_engine=always"), [0, 0, 1, 1]),
+    ],
+    ids=["online_dpo", "online_dpo_vllm-ray1", "online_dpo_vllm-learner-first"],
 )
-def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_path, trainer, extra):
+def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_path, trainer, extra, staleness):
     crashed = tmp_path / "crashed"
     shutil.copytree(ci_data, crashed)
     done = run_stage(ci_data, trainer, extra=extra)
     assert done.returncode == 0, done.stderr[-3000:]
-    if extra:  # a Ray engine, N = 1: every batch within the bound
-        assert [float(r["async/staleness"]) for r in rows(ci_data)] == [0.0, 1.0, 1.0, 1.0]
+    logged = rows(ci_data)  # N = 1: every batch within the bound; none stale that the learner sampled itself
+    assert [float(r["async/staleness"]) for r in logged] == staleness
+    if "train.learner_first_batches=2" in extra:  # the engine's first weights: version 1, what batch 2 needs
+        assert [float(r["async/weight_version"]) for r in logged] == [0, 1, 1, 2]
+        assert [float(r["timing/wait"]) for r in logged[:2]] == [0, 0]  # the learner sampled: no wait
+        assert [float(r["timing/scoring_engine"] or 0) > 0 for r in logged] == [False, False, True, True]
     assert not any((ci_data / "checkpoints").iterdir())  # a finished run removes its resume points
 
-    if not extra:  # batch 1 trained, only batch 0's checkpoint saved (the Ray run skips this: 30 s a start)
+    if not extra:  # batch 1 trained, only batch 0's checkpoint saved (the async runs skip this: ~30 s a start)
         first = run_stage(crashed, trainer, crash="after_update:1", extra=extra)
         assert killed(first, 1), first.stderr[-3000:]
         [ckpt_dir] = (crashed / "checkpoints").iterdir()

@@ -201,6 +201,13 @@ class TrainConfig(_Section):
     non_eos_penalty: bool = Field(True, description="replace the score of samples without EOS")
     penalty_reward_value: float = Field(-1.0, description="score given to samples without EOS")
     max_staleness: int = Field(1, ge=0, description="async: how many updates old a batch's weights may be")
+    learner_first_batches: int = Field(
+        0,
+        ge=0,
+        description="vllm_async: the learner samples the first W batches itself (HF generate, on-policy) while the "
+        "engine process starts, instead of waiting for it; the engine samples from batch W on. Worth about the first "
+        "batch's timing/wait (the engine's start-up) over the seconds of a synchronous step; 0: off",
+    )
     engine_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="vLLM engines' precision; auto = bfloat16 on a GPU, float32 on a CPU (docs/gpu.md has the "

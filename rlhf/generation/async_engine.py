@@ -42,10 +42,9 @@ it, see rlhf.generation.shared): each batch is sampled after the previous update
 Scoring: given a RewardSpec, the engine process can also score a batch (post-processed exactly as the learner
 would, with the same code: the same scores) right after sampling it, so the reward model's forward overlaps
 training; given a ReferenceSpec it computes the batch's reference log-probs there too (the reference is the frozen
-SFT model: where it runs changes only the time). `score` = "always", or "auto": batches are scored in the engine
-until the learner waits for them longer than the scoring costs the engine (then moving it to the learner shortens
-the step; Generated.scores is None), and back once the engine idles longer than that (`engine_scores_next`).
-Either way the numbers are the same, so runs stay deterministic.
+SFT model: where it runs changes only the time). `score` = "always", or "auto": each batch is scored on the side
+that is not the slower one so far (`ScoringSplit`: a share of the batches in the learner, Generated.scores None,
+that balances the two sides). Either way the numbers are the same, so runs stay deterministic.
 
 Timing, `stats()` after each receive, for the batch just received:
   timing/engine_idle          seconds the engine waited for work since it sent the previous batch
@@ -85,15 +84,53 @@ from rlhf.generation.weights import SharedWeights, read_snapshot, shared_snapsho
 from rlhf.runtime import env_int
 
 
-def engine_scores_next(engine_scores: bool, learner_wait: float, engine_idle: float, cost: float) -> bool:
-    """score_in_engine: auto. Whether the engine scores the next batch (the reward model's and the reference's
-    forwards: `cost` seconds a batch there), given whether it scores now and, since then, the learner's wait for
-    batches and the engine's wait for work (seconds a batch). Moving the scoring adds `cost` to one side and takes it
-    from the other, so it pays only when the side doing it is the slower one by more than `cost`: moved to the
-    learner when the learner waits longer than that, back to the engine when the engine idles longer."""
-    if engine_scores:
-        return learner_wait - engine_idle <= cost
-    return engine_idle - learner_wait > cost
+class ScoringSplit:
+    """score_in_engine: auto. Which side scores the next batch (the reward model's and the reference's forwards): the
+    engine every batch, every other batch, or none, whichever makes the shortest step.
+
+    Per batch the learner works L seconds besides scoring, the engine generates for G and scoring costs C (measured
+    in the engine; the learner runs the same forwards). The learner's step t runs beside the engine's batch t+1
+    (N = 1), so a step takes max(L + C [the learner scores t], G + C [the engine scores t+1]), and a pattern's step
+    is the mean of these: max(L, G + C) with all in the engine, max(L, G) + C/2 alternating, max(L + C, G) with all
+    in the learner. A share in between, with one batch in flight, is no better than one of these three (the step is
+    linear in it between them). So all in the engine while it is the faster side (a GPU engine; also the RLOO run on
+    SmolLM2 that asked for auto: L 45, G 20, C 30 s), alternating when the two are close (`tiny` on 2 cores: 0.18,
+    0.16, 0.09 s), all in the learner when generation is the bulk. Moving averages follow the sides' speeds.
+    """
+
+    def __init__(self):
+        self.learner = self.generation = self.cost = None  # seconds a batch: moving averages, None until measured
+        self._owed = 0.0  # the fraction accumulated since the learner last scored
+
+    def observe(self, learner_busy: float | None, generation: float, cost: float, learner_scored: bool) -> None:
+        """One batch received. learner_busy: the learner's seconds from receiving the batch before until asking for
+        this one (None for the first), its scoring included when `learner_scored` that batch; generation: the
+        engine's seconds sampling this batch; cost: the engine's seconds scoring it (0: it did not)."""
+        if cost > 0:
+            self.cost = _average(self.cost, cost)
+        if learner_busy is not None and self.cost is not None:
+            self.learner = _average(self.learner, learner_busy - (self.cost if learner_scored else 0.0))
+        self.generation = _average(self.generation, generation)
+
+    def learner_fraction(self) -> float:
+        """0, 1/2 or 1: the share of the batches the learner scores from now on (all in the engine until measured)."""
+        if self.learner is None or self.generation is None or not self.cost:
+            return 0.0
+        learner, generation, cost = self.learner, self.generation, self.cost
+        steps = {0.0: max(learner, generation + cost), 0.5: max(learner, generation) + cost / 2}
+        steps[1.0] = max(learner + cost, generation)
+        return min(steps, key=steps.__getitem__)  # a tie: the first, the engine's
+
+    def engine_scores_next(self) -> bool:
+        self._owed += self.learner_fraction()
+        if self._owed >= 1:
+            self._owed -= 1
+            return False
+        return True
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else 0.7 * old + 0.3 * new
 
 
 def start_engine(where, max_staleness: int, backend: str = "process", num_engines: int = 1):
@@ -135,10 +172,9 @@ class AsyncEngine:
         self._stats: dict[str, float] = {}
         self._snapshot_seconds = 0.0
         self._score = spec.score if spec.reward is not None else "never"
-        # score_in_engine auto: moving averages, seconds per batch, of who waits for whom since the scoring last
-        # moved, and of what scoring costs the engine; where the next batch is scored
-        self._learner_wait = self._engine_idle = self._scoring_cost = 0.0
-        self._engine_scores, self._filled = self._score != "never", False
+        self._split = ScoringSplit()  # score_in_engine auto: where the next batch is scored
+        self._received_at: float | None = None  # when the previous batch was handed to the learner
+        self._learner_scored = False  # the previous batch: scored by the learner
         self.start_seconds = float("nan")
         self._process = process
         self._finalizer = weakref.finalize(self, _close, self._process, self.work_dir)
@@ -157,11 +193,8 @@ class AsyncEngine:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, parts: list[int] | None = None) -> None:
         batch = self._next_batch
-        if self._score == "auto":
-            scores = engine_scores_next(self._engine_scores, self._learner_wait, self._engine_idle, self._scoring_cost)
-            if scores != self._engine_scores:  # fresh evidence from here on, about the new placement
-                self._engine_scores, self._learner_wait, self._engine_idle = scores, 0.0, 0.0
-        self._put(Generate(batch, prompts, params, self._engine_scores, parts or [len(prompts)]))
+        score = self._score == "always" or (self._score == "auto" and self._split.engine_scores_next())
+        self._put(Generate(batch, prompts, params, score, parts or [len(prompts)]))
         self._pending.append(batch)
         self._next_batch += 1
 
@@ -170,17 +203,14 @@ class AsyncEngine:
         if not self._pending:
             raise RuntimeError("AsyncEngine.receive: no batch was submitted")
         batch = self._pending[0]
-        waited = time.perf_counter()
+        asked = time.perf_counter()
         self.wait_ready()
         while batch not in self._ready:
             self._handle(self._next_message(timeout=None))
         gen, stats = self._ready.pop(batch)
-        if self._filled:  # the first batch's wait is the engine's start and a pipeline filling up: not evidence
-            self._learner_wait = 0.7 * self._learner_wait + 0.3 * (time.perf_counter() - waited)
-            self._engine_idle = 0.7 * self._engine_idle + 0.3 * stats["timing/engine_idle"]
-        self._filled = True
-        if (cost := stats.get("timing/scoring_engine", 0.0)) > 0:
-            self._scoring_cost = 0.7 * self._scoring_cost + 0.3 * cost if self._scoring_cost else cost
+        busy = None if self._received_at is None else asked - self._received_at
+        self._split.observe(busy, gen.seconds, stats.get("timing/scoring_engine", 0.0), self._learner_scored)
+        self._received_at, self._learner_scored = time.perf_counter(), gen.scores is None
         self._pending.popleft()
         self._stats = {**stats, "timing/weight_snapshot": self._snapshot_seconds}
         return gen

@@ -91,6 +91,7 @@ class Generated:
     scores: torch.Tensor | None = None  # (B*K,) reward before the missing-EOS penalty, when the engine scored them
     prompts: list[list[int]] | None = None  # the B prompts the engine sampled from, as it saw them (the loop checks)
     ref_logprobs: torch.Tensor | None = None  # (B*K, T) reference log-probs (0 on padding) if the engine computed them
+    sampled_here: bool = False  # sampled by the learner's own process inside receive() (HF generate): no wait
 
 
 class Engine(Protocol):

@@ -92,6 +92,7 @@ class HFEngine:
             time.perf_counter() - start,
             logprobs,
             prompts=prompts,
+            sampled_here=True,
         )
 
     def seek(self, batch: int) -> None:

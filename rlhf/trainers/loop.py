@@ -344,8 +344,8 @@ def _timings(run: Run, state, gen: Generated, clock: Clock) -> dict[str, float]:
         "train/global_step": state.global_step,
         **run.engine.stats(),
     }
-    if run.engine.lookahead:  # time the learner spent waiting for the generator
-        row["timing/wait"] = s["wait"]
+    if run.engine.lookahead:  # time the learner spent waiting for the generator (none for a batch it sampled)
+        row["timing/wait"] = 0.0 if gen.sampled_here else s["wait"]
     return row
 
 

@@ -24,6 +24,7 @@ from rlhf.config import Config, TrainConfig, fingerprint
 from rlhf.generation.base import Engine, EngineSpec, Placement, ReferenceSpec, SamplingParams
 from rlhf.generation.factory import make_engine, token_ids
 from rlhf.generation.hf import HFEngine
+from rlhf.generation.learner_first import LearnerFirst
 from rlhf.generation.shared import SharedEngine
 from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
 from rlhf.models.loading import encode_prompts, load_tokenizer
@@ -116,7 +117,7 @@ def setup(cfg: Config, started: EarlyStart | None = None) -> Run:
     spec = _engine_spec(cfg, engine_name, where, tokenizer, prompts, reward)
     early = _start_engine_early(spec, engine_process)
     try:
-        policy, ref, value = _setup_models(cfg, objective.needs_values, _scoring_side(c, engine_name) != "always")
+        policy, ref, value = _setup_models(cfg, objective.needs_values, _learner_scores(c, engine_name))
         reward_fn, gold = _setup_reward(cfg, engine_name, reward)
         acc = _setup_accelerator(c)
         sizes = Sizes.derive(c, acc.num_processes)
@@ -127,7 +128,7 @@ def setup(cfg: Config, started: EarlyStart | None = None) -> Run:
         ref = ref if ref is None or isinstance(ref, AdaptersOff) else _place_frozen(ref, acc)
         reward_fn = reward_fn.placed(lambda m: _place_frozen(m, acc), acc.device) if reward_fn is not None else None
         policy = unwrap_policy(acc.unwrap_model(model))
-        engine = _setup_engine(spec, early, policy, tokenizer, acc, engine_process)
+        engine = _setup_engine(spec, early, policy, tokenizer, acc, engine_process, c.learner_first_batches)
     except BaseException:
         if early is not None:
             early.close()
@@ -200,6 +201,12 @@ def _scoring_side(c: TrainConfig, engine_name: str) -> str:
     return "always" if several and c.score_in_engine == "auto" else c.score_in_engine
 
 
+def _learner_scores(c: TrainConfig, engine_name: str) -> bool:
+    """Whether the learner scores any batch (so it loads the reward model and the reference): unless the engine scores
+    every batch, and the learner samples none itself (train.learner_first_batches)."""
+    return _scoring_side(c, engine_name) != "always" or c.learner_first_batches > 0
+
+
 def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
     """(the learner's reward function or None, the task's gold as a reward function or None).
 
@@ -207,7 +214,7 @@ def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
     it; with train.reward=gold the reward already is it; the math task's gold is the verifier without format bonus.
     """
     c = cfg.train
-    reward_fn = None if _scoring_side(c, engine_name) == "always" else reward.build()
+    reward_fn = reward.build() if _learner_scores(c, engine_name) else None
     if isinstance(reward_fn, GoldReward):
         return reward_fn, reward_fn
     if isinstance(reward_fn, RuleReward):  # the same problems without the format bonus: no second lookup table
@@ -257,19 +264,24 @@ def _start_engine_early(spec: EngineSpec | None, process) -> Engine | None:
     return make_engine(spec, process)
 
 
-def _setup_engine(spec: EngineSpec | None, early, policy, tokenizer, acc, process=None) -> Engine:
+def _setup_engine(spec: EngineSpec | None, early, policy, tokenizer, acc, process=None, learner_first=0) -> Engine:
     """The run's engine on every rank: with several training processes one engine on rank 0, shared
     (rlhf.generation.shared); the HF engine (no spec) samples from each rank's own model. `early`: the engine that
-    started building first (`_start_engine_early`), else it is built now, in `process` when the stage started one."""
+    started building first (`_start_engine_early`), else it is built now, in `process` when the stage started one.
+    learner_first: train.learner_first_batches, for an async engine (rlhf.generation.learner_first)."""
     world = acc.num_processes
     if spec is None:
         return HFEngine(policy, device=acc.device, **token_ids(tokenizer))
     if world == 1:
-        return early or make_engine(spec, process)
-    engine = early if acc.process_index == 0 else None
-    if engine is None and holds_own_process(spec.where):  # rank 0's engine on a shared GPU
-        engine = make_engine(spec, process)
-    return SharedEngine(engine, acc.process_index, world, lookahead=spec.lookahead)
+        engine = early or make_engine(spec, process)
+    else:
+        engine = early if acc.process_index == 0 else None
+        if engine is None and holds_own_process(spec.where):  # rank 0's engine on a shared GPU
+            engine = make_engine(spec, process)
+        engine = SharedEngine(engine, acc.process_index, world, lookahead=spec.lookahead)
+    if learner_first and spec.lookahead:
+        return LearnerFirst(HFEngine(policy, device=acc.device, **token_ids(tokenizer)), engine, learner_first)
+    return engine
 
 
 def _setup_accelerator(c: TrainConfig) -> Accelerator:
