@@ -108,7 +108,12 @@ def launch(ci_data, zero: str, trainer: str, *settings: str, processes: int = 2)
 
 MULTI_RANK = {  # trainer, DeepSpeed config, settings: 2 training processes sharing one vLLM engine
     # online_dpo_vllm under ZeRO-2: tests/test_resume.py::test_two_ranks_sharing_the_async_engine_resume_exactly
-    "async-rloo-zero3": ("rloo", "zero3", ["train.engine=vllm_async", "train.tis_cap=2.0"]),
+    # each rank samples batches 0 and 1 itself (train.learner_first_batches), gathering its ZeRO-3 shards to generate
+    "async-rloo-zero3": (
+        "rloo",
+        "zero3",
+        ["train.engine=vllm_async", "train.tis_cap=2.0", "train.learner_first_batches=2"],
+    ),
     "colocated-dpo-zero3": ("online_dpo_single_vllm", "zero3", []),
 }
 
@@ -125,7 +130,8 @@ def test_two_training_ranks_share_one_vllm_engine(ci_data, case):
     logged = rows(ci_data)
     assert len(logged) == 3  # 48 episodes / (8 prompts x 2 ranks)
     lookahead = 0 if trainer == "online_dpo_single_vllm" else 1
-    assert [float(r["async/staleness"]) for r in logged] == [min(t, lookahead) for t in range(3)]
+    first = 2 if "train.learner_first_batches=2" in settings else 0  # sampled on-policy by the learners themselves
+    assert [float(r["async/staleness"]) for r in logged] == [min(t, lookahead) * (t >= first) for t in range(3)]
     assert float(logged[2]["timing/weight_sync_engine"]) > 0  # batch 2 was sampled after a weight sync
     if "train.tis_cap=2.0" in settings:
         assert all(0 < float(r["policy/is_weight"]) <= 2.0 for r in logged)

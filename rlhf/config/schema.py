@@ -237,9 +237,9 @@ class TrainConfig(_Section):
     score_in_engine: Literal["auto", "always", "never"] = Field(
         "auto",
         description="vllm_async: score batches and compute their reference log-probs in the engine process "
-        "(overlapped with training) or in the learner; auto: in the engine, moved to the learner while the learner "
-        "waits for batches longer than the scoring costs the engine (with several Ray engines auto is always); always: "
-        "the learner loads no reference model. Same numbers either way",
+        "(overlapped with training) or in the learner; auto: every batch in the engine, every other one or none, "
+        "whichever the measured seconds say makes the shortest step (with several Ray engines auto is always); "
+        "always: the learner loads no reference model (unless learner_first_batches). Same numbers either way",
     )
     tis_cap: float | None = Field(
         None,
