@@ -123,13 +123,26 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _leave(code: int) -> None:
-    """Exit a training rank without the interpreter's teardown: after a finished run (outputs written, process group
-    destroyed) a rank still aborted now and then there (SIGABRT, "terminate called without an active exception", no
-    Python frame: a C++ thread of the distributed stack torn down at exit), and torchrun then failed the whole run.
-    Python's exit hooks run first (Ray's shutdown, W&B, multiprocessing)."""
-    import atexit
+def console() -> None:
+    """The `rlhf` command and `python -m rlhf.cli`: main(), then exit without the interpreter's teardown (`_leave`)."""
+    _leave(main())
 
+
+def _leave(code: int) -> None:
+    """Exit without the interpreter's teardown, once everything is written. Freeing the modules of torch,
+    transformers and DeepSpeed took ~1.1 s of every stage's wall clock on these CPUs (4.2 s against 5.3 s for a
+    process that only imports them), for nothing the process needs. On a training rank it also avoids an abort:
+    after a finished run (outputs written, process group destroyed) a rank still aborted now and then in the
+    teardown (SIGABRT, "terminate called without an active exception", no Python frame: a C++ thread of the
+    distributed stack torn down at exit), and torchrun then failed the whole run. What a normal exit does before the
+    teardown still happens: the threads that are not daemons are waited for, then Python's exit hooks run (Ray's
+    shutdown, W&B, logging, multiprocessing's children)."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -225,4 +238,4 @@ def _describe(e: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -48,19 +48,28 @@ CACHE_ENV = {
 
 
 def seconds_since_start() -> float:
-    """Wall-clock seconds since this process started, as the kernel recorded it (interpreter start included)."""
+    """Wall-clock seconds since this process started, as the kernel recorded it (interpreter start included), to the
+    kernel's clock tick (10 ms). On Linux both ends are read on the clock since boot: psutil's start time adds the
+    boot time in whole seconds, up to 1 s off (the same for every process of a boot, so runs still compared)."""
     import time
 
-    return time.time() - _process_start(os.getpid())
+    start = _process_start(os.getpid())
+    if start is None:  # no /proc: a Unix time from psutil
+        import psutil
+
+        return time.time() - psutil.Process(os.getpid()).create_time()
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - start
 
 
 @functools.cache
-def _process_start(pid: int) -> float:
-    """Process `pid`'s start as a Unix time, read from the kernel once (the training loop asks every iteration;
-    keyed by pid, so a forked child never reads its parent's)."""
-    import psutil
-
-    return psutil.Process(pid).create_time()
+def _process_start(pid: int) -> float | None:
+    """Process `pid`'s start in seconds since boot (/proc/<pid>/stat's starttime), read once (the training loop asks
+    every iteration; keyed by pid, so a forked child never reads its parent's); None without /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold spaces
+    except OSError:
+        return None
+    return int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime; fields[0] is field 3
 
 
 def configure() -> None:
