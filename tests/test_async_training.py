@@ -205,7 +205,7 @@ def _pipeline(learner: float, generation: float, cost: float, every: int | None 
 @pytest.mark.parametrize(
     "learner, generation, cost, share",
     [
-        (0.18, 0.16, 0.09, 0.5),  # tiny on 2 cores (docs/benchmarks.md): all in the engine, the step was 0.25 s
+        (0.18, 0.16, 0.09, 0.5),  # tiny on 2 cores in an earlier measurement: all in the engine, the step was 0.25 s
         (45.0, 20.0, 30.0, 0.0),  # RLOO on SmolLM2, the measured run that asked for auto: it stays in the engine
         (1.0, 0.2, 0.1, 0.0),  # an engine much faster than the learner (a GPU of its own)
         (0.1, 1.0, 0.3, 1.0),  # generation-bound: the learner scores every batch

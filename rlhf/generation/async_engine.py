@@ -42,9 +42,9 @@ it, see rlhf.generation.shared): each batch is sampled after the previous update
 Scoring: given a RewardSpec, the engine process can also score a batch (post-processed exactly as the learner
 would, with the same code: the same scores) right after sampling it, so the reward model's forward overlaps
 training; given a ReferenceSpec it computes the batch's reference log-probs there too (the reference is the frozen
-SFT model: where it runs changes only the time). `score` = "always", or "auto": each batch is scored on the side
-that is not the slower one so far (`ScoringSplit`: a share of the batches in the learner, Generated.scores None,
-that balances the two sides). Either way the numbers are the same, so runs stay deterministic.
+SFT model: where it runs changes only the time). `score` = "always", or "auto": every batch, every other one or
+none scored in the engine, whichever the measured seconds make fastest (`ScoringSplit`; the learner scores the
+others, Generated.scores None). Either way the numbers are the same, so runs stay deterministic.
 
 Timing, `stats()` after each receive, for the batch just received:
   timing/engine_idle          seconds the engine waited for work since it sent the previous batch
@@ -94,8 +94,9 @@ class ScoringSplit:
     is the mean of these: max(L, G + C) with all in the engine, max(L, G) + C/2 alternating, max(L + C, G) with all
     in the learner. A share in between, with one batch in flight, is no better than one of these three (the step is
     linear in it between them). So all in the engine while it is the faster side (a GPU engine; also the RLOO run on
-    SmolLM2 that asked for auto: L 45, G 20, C 30 s), alternating when the two are close (`tiny` on 2 cores: 0.18,
-    0.16, 0.09 s), all in the learner when generation is the bulk. Moving averages follow the sides' speeds.
+    SmolLM2 that asked for auto: L 45, G 20, C 30 s; `tiny` on 2 cores: 0.21, 0.16, 0.07 s), alternating when the
+    two are close (L 0.18, G 0.16, C 0.09 s: 0.225 s a step against 0.25), all in the learner when generation is
+    the bulk. Moving averages follow the sides' speeds.
     """
 
     def __init__(self):
