@@ -75,6 +75,21 @@ def test_gold_as_the_reward_optimises_the_judge_itself(ci_data):
     assert all(float(r["objective/scores"]) == pytest.approx(float(r["objective/gold"]), abs=1e-6) for r in rows)
 
 
+def test_an_async_run_that_waited_for_its_engine_says_which_setting_fills_the_wait():
+    """rlhf.trainers.summary.start_up_hint: one line at the end of a run whose first batch waited for the engine's
+    start, none when nothing waited that long or the learner already sampled its own first batches."""
+    from rlhf.config import TrainConfig
+    from rlhf.trainers.summary import start_up_hint
+
+    waited = [{"timing/wait": 4.1}, {"timing/wait": 0.1}]
+    hint = start_up_hint(TrainConfig(), waited)
+    assert "4.1 s" in hint and "train.learner_first_batches=W" in hint
+    assert start_up_hint(TrainConfig(learner_first_batches=10), waited) is None
+    assert start_up_hint(TrainConfig(), [{"timing/wait": 0.5}]) is None  # the engine was nearly ready
+    assert start_up_hint(TrainConfig(), [{"objective/scores": 1.0}]) is None  # synchronous: no wait logged
+    assert start_up_hint(TrainConfig(), []) is None
+
+
 def test_prompt_batches_are_disjoint_within_an_epoch_and_pure_functions_of_the_step():
     prompts = [[i] for i in range(12)]
     sizes = Sizes(world=2, local_batch=3, batch=6, num_batches=4, num_updates=4)

@@ -34,6 +34,7 @@ from rlhf.trainers import checkpoint, frontier
 from rlhf.trainers.early import EarlyStart
 from rlhf.trainers.objectives import Rollout
 from rlhf.trainers.setup import Run, setup
+from rlhf.trainers.summary import final_metrics, mean_stats, start_up_hint
 
 ROWS_FILE = "metric_rows.json"  # in each checkpoint: the rows logged so far, so a resume keeps the run's history
 CONFIG_FILE = "config.yaml"  # the resolved configuration, next to the trained policy and in every checkpoint
@@ -74,6 +75,8 @@ def train(cfg: Config, started: EarlyStart | None = None) -> dict:
             if state.batch in kept:
                 frontier.keep(run, state.episode)
         final = finish(run, tracker, state)
+        if hint := start_up_hint(cfg.train, tracker.rows):
+            run.acc.print(hint)
     # Every rank, on success only (a failed rank's peers may still be in a collective): gloo's worker threads
     # must stop while the interpreter is alive, else a rank can abort at exit (SIGABRT) after a good run.
     run.acc.end_training()
@@ -382,22 +385,3 @@ def finish(run: Run, tracker: Tracker, state: checkpoint.LoopState) -> dict:
                 tracker.finish(final)
     acc.wait_for_everyone()
     return final
-
-
-def final_metrics(rows: list[dict], state: checkpoint.LoopState) -> dict:
-    """Results only: `final/<metric>` = the mean over the last quarter of the rows, the first batch's scores and
-    gold, episodes and optimizer steps. Wall-clock figures (timing/*, eps) differ between identical runs: they
-    stay in train.csv."""
-    last = rows[-max(1, len(rows) // 4) :]
-    final = {f"final/{k}": v for k, v in mean_stats(last).items() if not k.startswith(("timing/", "train/"))}
-    final.pop("final/eps", None)
-    final.update({"episodes": state.episode, "optimizer_steps": state.global_step})
-    first = rows[0] if rows else {}
-    final.update({f"first/{k}": first[k] for k in ("objective/scores", "objective/gold") if k in first})
-    return final
-
-
-def mean_stats(rows: list[dict]) -> dict[str, float]:
-    """Mean of each key over the rows that have it."""
-    keys = {k for r in rows for k in r}
-    return {k: sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r) for k in keys}

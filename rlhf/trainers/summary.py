@@ -1,0 +1,38 @@
+"""What a training run's logged rows add up to: its final metrics, and a hint its timings give."""
+
+from __future__ import annotations
+
+from rlhf.config import TrainConfig
+
+HINT_SECONDS = 2.0  # a first wait for the engine worth filling with the learner's own batches
+
+
+def final_metrics(rows: list[dict], state) -> dict:
+    """Results only: `final/<metric>` = the mean over the last quarter of the rows, the first batch's scores and
+    gold, episodes and optimizer steps (state: the loop's checkpoint.LoopState). Wall-clock figures (timing/*,
+    eps) differ between identical runs: they stay in train.csv."""
+    last = rows[-max(1, len(rows) // 4) :]
+    final = {f"final/{k}": v for k, v in mean_stats(last).items() if not k.startswith(("timing/", "train/"))}
+    final.pop("final/eps", None)
+    final.update({"episodes": state.episode, "optimizer_steps": state.global_step})
+    first = rows[0] if rows else {}
+    final.update({f"first/{k}": first[k] for k in ("objective/scores", "objective/gold") if k in first})
+    return final
+
+
+def mean_stats(rows: list[dict]) -> dict[str, float]:
+    """Mean of each key over the rows that have it."""
+    keys = {k for r in rows for k in r}
+    return {k: sum(r[k] for r in rows if k in r) / sum(1 for r in rows if k in r) for k in keys}
+
+
+def start_up_hint(c: TrainConfig, rows: list[dict]) -> str | None:
+    """One line when an async run's learner waited long for the engine to start, and nothing filled the wait: the
+    setting that would have had it sample its own first batches meanwhile; None otherwise."""
+    wait = rows[0].get("timing/wait", 0.0) if rows else 0.0
+    if c.learner_first_batches or wait < HINT_SECONDS:
+        return None
+    return (
+        f"the learner waited {wait:.1f} s for the engine to start: train.learner_first_batches=W has it sample the "
+        f"first W batches itself meanwhile (W: about {wait:.1f} s over the seconds of a synchronous step)"
+    )
