@@ -92,14 +92,21 @@ def main() -> None:
         default=",".join({**RUNS, **TWO_RANKS}),
         help="which runs, comma-separated (default: all); the sync baseline is sync_hf if chosen, else vllm_colocated",
     )
+    ap.add_argument(
+        "--first-batches",
+        type=int,
+        dest="first_batches",
+        help="vllm_async_first's train.learner_first_batches, fixed by hand (default: by the rule of "
+        "learner_first_batches, from this invocation's sync_hf and vllm_async runs)",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     chosen = args.runs.split(",")
     unknown = sorted(set(chosen) - {*RUNS, *TWO_RANKS})
     if unknown or "vllm_async" not in chosen or not set(SYNC) & set(chosen):
         raise SystemExit(f"--runs: {args.runs!r}: needs vllm_async and a sync run among {[*RUNS, *TWO_RANKS]}")
-    if "vllm_async_first" in chosen and "sync_hf" not in chosen:
-        raise SystemExit(f"--runs: {args.runs!r}: vllm_async_first needs sync_hf (learner_first_batches)")
+    if "vllm_async_first" in chosen and not args.first_batches and "sync_hf" not in chosen:
+        raise SystemExit(f"--runs: {args.runs!r}: vllm_async_first needs sync_hf, or --first-batches")
     first, args.overrides = split_seed(args.overrides)
     base = first if first is not None else load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
     runs = {k: v for k, v in {**RUNS, **TWO_RANKS}.items() if k in chosen}
@@ -131,7 +138,7 @@ def run_all(args, seed: int, runs: dict[str, str]) -> dict[str, dict]:
     source = smollm2_data() if args.profile == "smollm2" else None  # else the pipeline's data/ (make run)
     for name, (trainer, extra) in runs.items():
         if name == "vllm_async_first":  # the first seed's rule, kept for the others
-            args.first_batches = getattr(args, "first_batches", None) or learner_first_batches(results)
+            args.first_batches = args.first_batches or learner_first_batches(results)
             extra = (*extra, f"train.learner_first_batches={args.first_batches}")
         data = scratch_data(ROOT / "bench" / "out" / name / "data", source=source)
         settings = [f"data_dir={data}", f"train.trainer={trainer}", "tracking.wandb_mode=disabled", f"seed={seed}"]
