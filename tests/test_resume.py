@@ -64,7 +64,7 @@ def rows(data_dir) -> list[dict]:
 
 
 # sync HF engine; async vLLM engine, N=1, as a Ray actor (the engine process: the two-rank test below; two Ray
-# engines: tests/test_vllm_engines.py and test_async_training.py); the engine process with the learner sampling the
+# engines: tests/test_async_engines.py and test_async_training.py); the engine process with the learner sampling the
 # first 2 of the 4 batches while the engine starts (train.learner_first_batches), the engine scoring its own batches.
 # Resumed runs equal to the uninterrupted one, each in a process of its own: also a determinism test of the engines.
 @pytest.mark.parametrize(
