@@ -81,9 +81,11 @@ def test_an_async_run_that_waited_for_its_engine_says_which_setting_fills_the_wa
     from rlhf.config import TrainConfig
     from rlhf.trainers.summary import start_up_hint
 
-    waited = [{"timing/wait": 4.1}, {"timing/wait": 0.1}]
+    later = {"timing/step": 0.25, "timing/wait": 0.04, "timing/generation": 0.16, "timing/scoring_engine": 0.07}
+    waited = [{"timing/step": 4.4, "timing/wait": 4.1}, later, later]  # tiny's figures on 2 cores
     hint = start_up_hint(TrainConfig(), waited)
-    assert "4.1 s" in hint and "train.learner_first_batches=W" in hint
+    assert "waited 4.1 s" in hint and "train.learner_first_batches=9 " in hint  # 4.1 / (0.21 + 0.16 + 0.07)
+    assert "learner_first_batches=W " in start_up_hint(TrainConfig(), waited[:1])  # no later batch to estimate from
     assert start_up_hint(TrainConfig(learner_first_batches=10), waited) is None
     assert start_up_hint(TrainConfig(), [{"timing/wait": 0.5}]) is None  # the engine was nearly ready
     assert start_up_hint(TrainConfig(), [{"objective/scores": 1.0}]) is None  # synchronous: no wait logged
