@@ -43,5 +43,5 @@ def start_up_hint(c: TrainConfig, rows: list[dict]) -> str | None:
     value = f"{max(1, round(wait / sync_step))}" if later and sync_step > 0 else "W"
     return (
         f"the learner waited {wait:.1f} s for the engine to start: train.learner_first_batches={value} would have "
-        "had it sample its own first batches meanwhile (README.md, \"Asynchronous generation\")"
+        'had it sample its own first batches meanwhile (README.md, "Asynchronous generation")'
     )
