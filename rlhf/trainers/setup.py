@@ -270,8 +270,9 @@ def _setup_engine(spec: EngineSpec | None, early, policy, tokenizer, acc, proces
     started building first (`_start_engine_early`), else it is built now, in `process` when the stage started one.
     learner_first: train.learner_first_batches, for an async engine (rlhf.generation.learner_first)."""
     world = acc.num_processes
+    hf = HFEngine(policy, device=acc.device, **token_ids(tokenizer))  # holds references only: cheap to make
     if spec is None:
-        return HFEngine(policy, device=acc.device, **token_ids(tokenizer))
+        return hf
     if world == 1:
         engine = early or make_engine(spec, process)
     else:
@@ -279,9 +280,7 @@ def _setup_engine(spec: EngineSpec | None, early, policy, tokenizer, acc, proces
         if engine is None and holds_own_process(spec.where):  # rank 0's engine on a shared GPU
             engine = make_engine(spec, process)
         engine = SharedEngine(engine, acc.process_index, world, lookahead=spec.lookahead)
-    if learner_first and spec.lookahead:
-        return LearnerFirst(HFEngine(policy, device=acc.device, **token_ids(tokenizer)), engine, learner_first)
-    return engine
+    return LearnerFirst(hf, engine, learner_first) if learner_first and spec.lookahead else engine
 
 
 def _setup_accelerator(c: TrainConfig) -> Accelerator:
