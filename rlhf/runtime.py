@@ -196,10 +196,14 @@ def _set_cores_left() -> None:
 def map_in_processes(fn, items: list, processes: int) -> list:
     """[fn(item) for item in items], in up to `processes` worker processes at once, each set up as this one (the
     environment variables it inherits, one torch thread), when that is more than 1 and more than one CPU core is
-    allowed; else here, one after another. fn: a module-level function (spawned workers import it by name); items
+    allowed; else here, one after another, on every core this process may use (`threads_alone`: the tiny profile's
+    generate stage 13.9 -> 11.5 s on 2 cores). fn: a module-level function (spawned workers import it by name); items
     and results are pickled. A worker's exception is raised here, as it was raised there (its type and message)."""
     processes = min(processes, len(items), len(os.sched_getaffinity(0)))
     if processes <= 1:
+        import torch
+
+        torch.set_num_threads(threads_alone())
         return [fn(item) for item in items]
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor

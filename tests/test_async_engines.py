@@ -29,7 +29,6 @@ from vllm_engine_cases import (
     CPU,
     MAX_MODEL_LEN,
     SEED,
-    TEXTS,
     build_policy,
     hf_logprobs,
     prompt_ids,
@@ -363,22 +362,6 @@ def test_the_local_ray_cluster_stops_when_the_last_engines_on_it_close():
     daemons = ray_daemons()
     assert not daemons, daemons
     assert os.sched_getaffinity(0) == cores
-
-
-def test_hf_engine_returns_the_log_probs_it_sampled_with(policy):
-    """HFEngine records log softmax(logits / T) of each sampled token: what the trainer's forward computes."""
-    from rlhf.generation.hf import HFEngine
-
-    folder, tok = policy
-    model = loading.load_causal_lm(folder)
-    prompts, k, temperature = prompt_ids(tok, TEXTS[:3]), 2, 0.8  # prompts of different lengths: left padding
-    engine = HFEngine(model, tok.pad_token_id, tok.eos_token_id, CPU)
-    engine.submit(prompts, SamplingParams(k=k, max_new_tokens=8, temperature=temperature))
-    gen = engine.receive()
-    expected = hf_logprobs(model, prompts, gen.responses, k, temperature, tok.eos_token_id)
-    real = expected != 0
-    assert real.sum() > 10 and (gen.logprobs[real] < 0).all()
-    torch.testing.assert_close(gen.logprobs[real], expected[real], rtol=0, atol=1e-4)
 
 
 def test_the_tokenizer_less_chat_warmup_warning_is_dropped_and_other_warmup_failures_kept():
