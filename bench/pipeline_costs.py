@@ -11,7 +11,8 @@ own empty DVC cache, so every stage really runs:
   dvc      `dvc repro --force` in the clone.
 Every stage process appends its own wall time (from process start) and peak RSS to a stats file
 (RLHF_STAGE_STATS, rlhf/cli.py), so overhead = total wall - the stages' own time, measured in the same run.
-Prints a table per run and writes bench/metrics/pipeline_costs_<profile>.json (DVC metrics).
+Prints a table per run and writes bench/metrics/pipeline_costs_<profile>.json (DVC metrics): the runs made now
+replace their own entries (each with the box's CPU flags and the date), the other runs' entries are kept.
 Memory: `peak_rss` is the stage process, `child` its largest child (the vLLM engine when the trainer uses
 one); they run at the same time, so their sum bounds the stage's peak.
 """
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
+from common import cpu_flags  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # flows/
@@ -101,6 +103,8 @@ def summarise(name: str, total: float, stats: list[dict]) -> dict:
         own_gib, child_gib = s["peak_rss_bytes"] / GIB, s["peak_rss_child_bytes"] / GIB
         print(f"  {s['stage']:<10}{s['seconds']:>9.1f}{own_gib:>14.2f}{child_gib:>11.2f}")
     out = {
+        f"{name}/cpu_flags": cpu_flags(),
+        f"{name}/date": time.strftime("%Y-%m-%d"),
         f"{name}/total_seconds": total,
         f"{name}/stage_seconds": own,
         f"{name}/overhead_fraction": (total - own) / total,
@@ -145,7 +149,16 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\nprofile {args.profile}, trainer {trainer}, overrides {overrides or 'none'}")
     suffix = f"_{args.trainer}" if args.trainer else ""
-    write_json(ROOT / "bench" / "metrics" / f"pipeline_costs_{args.profile}{suffix}.json", results)
+    path = ROOT / "bench" / "metrics" / f"pipeline_costs_{args.profile}{suffix}.json"
+    write_json(path, merged(path, results, args.runs.split(",")))
+
+
+def merged(path: Path, results: dict, runs: list[str]) -> dict:
+    """The metrics file's entries with those of `runs` replaced by `results`: a run of dvc alone keeps the
+    last Prefect run's figures (each entry names its box and date)."""
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    kept = {k: v for k, v in kept.items() if k.split("/", 1)[0] not in runs}
+    return dict(sorted({**kept, **results}.items()))
 
 
 if __name__ == "__main__":
