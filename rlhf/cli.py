@@ -35,6 +35,9 @@ STAGE_OUTPUTS = {
     "evaluate": "eval",
 }
 PIPELINE = tuple(STAGE_OUTPUTS)
+# Stages that never import torch (pandas, scikit-learn, numpy): importing it only to set its threads cost every run
+# of them 1.1 s on an AVX-512 box and ~5.5 s on an AVX2-only one (tests/test_config.py holds them to it).
+WITHOUT_TORCH = ("prepare", "gold")
 HELP = {
     "prepare": "build the prompt/SFT/gold splits of the task under data/prepared",
     "gold": "fit the gold judge on the human labels; held-out accuracy to data/metrics/gold.json",
@@ -177,7 +180,8 @@ def _run(argv: list[str] | None) -> int:
         outputs = [cfg.path(STAGE_OUTPUTS[args.command]), cfg.path("metrics"), cfg.path("plots")]
         check_writable(outputs + ([cfg.path("checkpoints")] if args.command == "train" else []))
         built_with.check_inputs(cfg, args.command)
-        runtime.configure_torch()  # inside the try: Ctrl-C while importing torch is an interrupt too
+        if args.command not in WITHOUT_TORCH:
+            runtime.configure_torch()  # inside the try: Ctrl-C while importing torch is an interrupt too
         if args.command == "train":  # what this machine cannot run fails now, before the engine's process starts
             _check_runnable_here(cfg)
         with stage_lock(lock_file(cfg.data_dir, args.command), args.command, cfg.data_dir, runtime.env_int("RANK", 0)):

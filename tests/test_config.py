@@ -171,6 +171,22 @@ def test_config_and_its_errors_answer_without_importing_torch():
     assert "train.lr: unknown key" in proc.stderr
 
 
+def test_the_prepare_and_gold_stages_run_without_importing_torch(tmp_path):
+    """rlhf.cli.WITHOUT_TORCH: both stages, run through the CLI's main on the ci profile, leave torch unimported
+    (an import of torch creeping into either, directly or through a library, fails here)."""
+    probe = (
+        "import sys; from rlhf.cli import main; "
+        "codes = [main(['--params', sys.argv[1], '--profile', 'ci', stage, 'data_dir=' + sys.argv[2]]) "
+        "for stage in ('prepare', 'gold')]; "
+        "print(codes, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(PARAMS), str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.stdout.strip().endswith("[0, 0] False"), proc.stdout[-1000:] + proc.stderr[-2000:]
+    assert (tmp_path / "gold" / "judge.json").exists()
+
+
 def test_cli_config_prints_the_resolved_values():
     proc = run_cli("--profile", "ci", "config", "train.k=3")
     assert proc.returncode == 0 and "k: 3" in proc.stdout and "profile: ci" in proc.stdout
