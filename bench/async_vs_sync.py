@@ -24,7 +24,6 @@ several seeds (the colocated run with the first) and the gold gap is a mean over
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import resource
@@ -53,8 +52,8 @@ RUNS = {
 }
 SYNC = ("sync_hf", "sync_hf_2t", "vllm_colocated", "vllm_colocated_2t")
 TWO_RANKS = {"vllm_async_2ranks": ("online_dpo_vllm", ())}  # under accelerate launch --num_processes 2
-# train.csv's timing/* columns summed over the run; wait: the learner waiting for the engine (async only);
-# scoring_engine: scores and reference log-probs computed in the engine process (overlapped)
+# the logged timing/* columns (the run's timing.csv) summed over the run; wait: the learner waiting for the engine
+# (async only); scoring_engine: scores and reference log-probs computed in the engine process (overlapped)
 BREAKDOWN = ("scoring", "reference", "update", "weight_sync", "wait", "scoring_engine", "engine_idle")
 
 
@@ -208,7 +207,9 @@ def seconds_to(level: float, curve: list[tuple[float, float]]) -> float:
 def stage_train(cfg, settings: list[str], profile: str, processes: int = 1, threads: int = 1):
     """`rlhf train` as the train stage runs it, a process of its own (under accelerate launch, ZeRO-2, for several
     training processes) with `threads` torch threads per process: its wall-clock seconds from the process's start,
-    and its train.csv rows."""
+    and its logged rows (rlhf.tracking.logged_rows)."""
+    from rlhf.tracking import logged_rows
+
     cli = ["rlhf", "--params", str(ROOT / "params.yaml"), "--profile", profile, "train", *settings]
     if processes > 1:
         launch = ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "zero2.yaml")]
@@ -217,8 +218,7 @@ def stage_train(cfg, settings: list[str], profile: str, processes: int = 1, thre
     before, start = _children_cpu_seconds(), time.perf_counter()
     subprocess.run([sys.executable, "-m", "rlhf.runtime", *cli], check=True, env=env)
     wall, cpu = time.perf_counter() - start, _children_cpu_seconds() - before
-    with open(cfg.path("plots", "train.csv")) as f:
-        return wall, cpu, list(csv.DictReader(f))
+    return wall, cpu, logged_rows(cfg.data_dir)
 
 
 def _children_cpu_seconds() -> float:

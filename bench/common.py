@@ -3,7 +3,6 @@ child process, and the interval a comparison's verdict is read from."""
 
 from __future__ import annotations
 
-import csv
 import math
 import shutil
 import statistics
@@ -46,18 +45,18 @@ def cpu_flags() -> str:
 
 def timed_train(cfg, started=None) -> tuple[float, list[dict]]:
     """Run `train(cfg)` (with the engine placed and its process started earlier, rlhf.trainers.early): its wall
-    seconds (model loading and engine start-up included) and its train.csv rows."""
+    seconds (model loading and engine start-up included) and its logged rows (rlhf.tracking.logged_rows)."""
+    from rlhf.tracking import logged_rows
     from rlhf.trainers.loop import train
 
     start = time.perf_counter()
     train(cfg, started)
     wall = time.perf_counter() - start
-    with open(cfg.path("plots", "train.csv")) as f:
-        return wall, list(csv.DictReader(f))
+    return wall, logged_rows(cfg.data_dir)
 
 
 def column_sum(rows: list[dict], key: str) -> float:
-    """Sum of a train.csv column over the run (a row without it counts 0)."""
+    """Sum of a logged column over the run (a row without it counts 0)."""
     return sum(float(r.get(key) or 0) for r in rows)
 
 

@@ -275,11 +275,11 @@ def launch(device, zero: str, cli: list[str]) -> dict:
 
 def stage_figures(data: Path, name: str) -> dict:
     """A stage's key figures: the train stage's mean timing/step, timing/weight_sync and eps and its last
-    objective/scores (plots/train.csv); other stages' first four numbers of their metrics/<stage>.json, if any."""
+    objective/scores (rlhf.tracking.logged_rows); other stages' first four numbers of their metrics/<stage>.json."""
     if name == "train":
-        import csv
+        from rlhf.tracking import logged_rows
 
-        rows = list(csv.DictReader((data / "plots" / "train.csv").open()))
+        rows = logged_rows(data)
         mean = lambda k: sum(float(r[k]) for r in rows) / len(rows)  # noqa: E731
         keys = ("timing/step", "timing/weight_sync", "eps")
         return {**{k: round(mean(k), 4) for k in keys if k in rows[0]}, "scores": float(rows[-1]["objective/scores"])}

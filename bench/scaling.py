@@ -11,7 +11,6 @@ reference (+ behaviour) forwards, update, weight sync. Prints the table and writ
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 from pathlib import Path
 
@@ -27,6 +26,7 @@ def main() -> None:
 
     from rlhf.config import load_config
     from rlhf.io import write_json
+    from rlhf.tracking import logged_rows
     from rlhf.trainers.loop import train
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,8 +58,7 @@ def main() -> None:
                 ],
             )
             train(cfg)
-            with open(cfg.path("plots", "train.csv")) as f:
-                rows = list(csv.DictReader(f))[1:]
+            rows = logged_rows(cfg.data_dir)[1:]
             means = {key: statistics.mean(float(r.get(f"timing/{key}") or 0) for r in rows) for key in ("step", *PARTS)}
             row = {"batch": batch, "length": length, **means}
             row["episodes_per_second"] = batch / row["step"]

@@ -180,7 +180,9 @@ def _run(argv: list[str] | None) -> int:
         outputs = [cfg.path(STAGE_OUTPUTS[args.command]), cfg.path("metrics"), cfg.path("plots")]
         check_writable(outputs + ([cfg.path("checkpoints")] if args.command == "train" else []))
         built_with.check_inputs(cfg, args.command)
-        if args.command not in WITHOUT_TORCH:
+        if args.command in WITHOUT_TORCH:
+            runtime.torch_threads()  # unused here, but a malformed setting fails every stage alike
+        else:
             runtime.configure_torch()  # inside the try: Ctrl-C while importing torch is an interrupt too
         if args.command == "train":  # what this machine cannot run fails now, before the engine's process starts
             _check_runnable_here(cfg)

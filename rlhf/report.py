@@ -26,7 +26,7 @@ import pandas as pd
 
 from rlhf.config import DEFAULT_PARAMS, Config, changed_settings, profile_note
 from rlhf.io import atomic_dir, read_csv, read_json, write_text
-from rlhf.tracking import log_results
+from rlhf.tracking import TIMING_FILE, log_results
 
 # The headline metrics per stage, in the order shown: key -> (readable name, unit, what it means).
 WIN = "share of eval prompts"
@@ -153,7 +153,7 @@ def print_report(cfg: Config, params: Path | str = DEFAULT_PARAMS) -> int:
 def write_report(cfg: Config, changed: dict[str, tuple] | None = None) -> tuple[Path, dict[str, bytes]]:
     """data/report/index.html; its path and its charts (section title -> PNG). `changed`: the parameters set on top
     of the profile (rlhf.config.changed_settings), listed in the header."""
-    steps = _read_csv(cfg.path("plots", "train.csv"))
+    steps = _logged(cfg)
     frontier = _read_csv(cfg.path("plots", "frontier.csv"))
     charts = {
         SECTIONS[1]: _png(_frontier_chart, frontier),
@@ -313,6 +313,15 @@ def _table(columns: list[str], rows: list[tuple]) -> str:
 def _row(*cells: str, tag: str = "td") -> str:
     first, *rest = cells
     return f"<tr><{tag}>{_e(first)}</{tag}>" + "".join(f"<td>{_e(c)}</td>" for c in rest) + "</tr>"
+
+
+def _logged(cfg: Config) -> pd.DataFrame | None:
+    """The train stage's rows: the results (plots/train.csv) with their wall-clock columns beside them
+    (train/timing.csv, rlhf.tracking)."""
+    steps, timing = _read_csv(cfg.path("plots", "train.csv")), _read_csv(cfg.path("train", TIMING_FILE))
+    if steps is None or timing is None:
+        return steps
+    return steps.join(timing.drop(columns=[c for c in timing if c in steps]))
 
 
 def _read_csv(path) -> pd.DataFrame | None:

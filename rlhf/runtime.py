@@ -100,8 +100,13 @@ def configure_torch() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":  # set by `accelerate launch`
             _skip_deepspeed_shm_op()
-    # Processes that share the cores: one thread each (two per process were many times slower on 2 cores)
-    torch.set_num_threads(env_int("RLHF_TORCH_THREADS", 1, minimum=1))
+    torch.set_num_threads(torch_threads())
+
+
+def torch_threads() -> int:
+    """RLHF_TORCH_THREADS, else 1: processes that share the cores take one thread each (two per process were many
+    times slower on 2 cores); a process alone takes more (`threads_alone`)."""
+    return env_int("RLHF_TORCH_THREADS", 1, minimum=1)
 
 
 def threads_alone() -> int:

@@ -6,6 +6,7 @@ import csv
 import io
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf.config import Config
@@ -15,7 +16,29 @@ if TYPE_CHECKING:
     import pandas as pd
 
 STEP = "train/episode"
+AXES = (STEP, "train/global_step")  # in both of a run's row files, so each reads on its own
+TIMING_FILE = "timing.csv"  # in the stage's output folder: the wall-clock columns of its rows
 COMPLETION_COLUMNS = ["prompt", "completion", "reward", "gold"]
+
+
+def is_wall_clock(column: str) -> bool:
+    """timing/* and eps: figures that differ between identical runs (and between boxes)."""
+    return column.startswith("timing/") or column == "eps"
+
+
+def logged_rows(data_dir: Path | str, stage: str = "train") -> list[dict[str, str]]:
+    """A run's rows as `Tracker.finish` wrote them, as strings: plots/<stage>.csv (the results, tracked in git)
+    joined row by row with <stage>/timing.csv (the wall-clock columns, part of the stage's DVC output)."""
+    results, timing = Path(data_dir) / "plots" / f"{stage}.csv", Path(data_dir) / stage / TIMING_FILE
+    with open(results) as f:
+        rows = list(csv.DictReader(f))
+    if not timing.exists():
+        return rows
+    with open(timing) as f:
+        clock = list(csv.DictReader(f))
+    if len(clock) != len(rows):
+        raise ValueError(f"{timing}: {len(clock)} rows for the {len(rows)} of {results}: not written by the same run")
+    return [{**r, **t} for r, t in zip(rows, clock)]
 
 
 WANDB_MODES = ("online", "offline", "disabled")
@@ -92,6 +115,7 @@ class Tracker:
         """rows/run_id: a resumed run's history from its checkpoint; W&B continues the same run."""
         self.enabled = enabled
         self.plot_path = cfg.path("plots", f"{stage}.csv")
+        self.timing_path = cfg.path(stage, TIMING_FILE)
         self.metrics_path = cfg.path("metrics", f"{stage}.json")
         self.rows: list[dict] = list(rows or [])
         self.run = None
@@ -147,12 +171,21 @@ class Tracker:
     def finish(self, final: dict) -> None:
         if not self.enabled:
             return
-        table = io.StringIO()
-        w = csv.DictWriter(table, fieldnames=sorted({k for r in self.rows for k in r}))
-        w.writeheader()
-        w.writerows(self.rows)
-        write_text(self.plot_path, table.getvalue())
+        # The results and the wall-clock columns apart: a rerun of the same run on the same box leaves the tracked
+        # plots file (and dvc.lock's hash of it) unchanged, and `git status` shows only what changed in results.
+        results = [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in self.rows]
+        clock = [{k: v for k, v in r.items() if is_wall_clock(k) or k in AXES} for r in self.rows]
+        write_text(self.plot_path, _csv_text(results))
+        write_text(self.timing_path, _csv_text(clock))
         write_json(self.metrics_path, final)
         if self.run is not None:
             self.run.summary.update(final)
             self.run.finish()
+
+
+def _csv_text(rows: list[dict]) -> str:
+    table = io.StringIO()
+    w = csv.DictWriter(table, fieldnames=sorted({k for r in rows for k in r}))
+    w.writeheader()
+    w.writerows(rows)
+    return table.getvalue()

@@ -20,7 +20,6 @@ go to .cache/gpu-smoke (removed at the end).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shutil
 import signal
@@ -46,7 +45,7 @@ class Check:
     cmd: list[str]
     gpus: tuple[int, ...] = (0,)  # the GPUs (as the check's process numbers them) it should use
     timeout: float = TRAIN_TIMEOUT
-    data: Path | None = None  # its data_dir: train runs' timing/weight_sync come from its plots/train.csv
+    data: Path | None = None  # its data_dir: train runs' timing/weight_sync come from its train/timing.csv
 
 
 def checks(data: Path, gpus: int, vllm_cuda: bool) -> list[Check]:
@@ -251,7 +250,9 @@ def _figures(check: Check, peak: dict[str, int], started: float) -> str:
     text = " ".join(f"gpu{g}+{mib}MiB" for g, mib in sorted(peak.items()) if mib > USED_MIB)
     plot = check.data / "plots" / "train.csv" if check.data else None
     if plot and plot.exists() and plot.stat().st_mtime >= started:
-        rows = list(csv.DictReader(plot.open()))
+        from rlhf.tracking import logged_rows
+
+        rows = logged_rows(check.data)
         if rows and "timing/weight_sync" in rows[0]:
             sync = sum(float(r["timing/weight_sync"]) for r in rows) / len(rows)
             text += f" timing/weight_sync={sync:.4f}s"

@@ -478,20 +478,23 @@ def test_a_damaged_checkpoint_is_passed_over_for_the_newest_intact_one(tmp_path)
 
 @pytest.mark.slow
 def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
+    """Ctrl-C during `dvc repro` of the sft stage (seconds of work past its start-up on any box; prepare and gold,
+    which import no torch, finish in about as long as their start-up takes)."""
     repo = make_dvc_repo(tmp_path / "project")
     # DVC runs stages with $SHELL; unset (cron, CI), that is /bin/sh, which on Debian is dash: it forks rather
     # than exec the command and dies on SIGINT at once. dvc.yaml's `exec` makes the stage what DVC waits on.
     env = {**isolated_env(tmp_path), "SHELL": "/bin/sh"}
     params = repo / "params.yaml"
     params.write_text(re.sub(r"^profile: \S+", "profile: ci", params.read_text(), count=1, flags=re.M))
-    run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env)
+    for stage in ("prepare", "sft"):
+        run_ok(["dvc", "repro", "--single-item", stage], repo, env)
     run_ok(["git", "add", "-A"], repo, env)
-    run_ok(["git", "commit", "-qm", "prepare"], repo, env)  # dvc.lock and the metrics file live in git
-    lock, before = (repo / "dvc.lock").read_bytes(), folder_digest(repo / "data" / "prepared")
+    run_ok(["git", "commit", "-qm", "prepare, sft"], repo, env)  # dvc.lock and the metrics files live in git
+    lock, before = (repo / "dvc.lock").read_bytes(), folder_digest(repo / "data" / "sft")
 
-    params.write_text(params.read_text().replace("seed: 1234", "seed: 4321", 1))  # the stage must run again
+    params.write_text(params.read_text().replace("\nsft: {}", "\nsft: {learning_rate: 0.002}", 1))  # to run again
     proc = subprocess.Popen(
-        ["dvc", "repro", "--single-item", "prepare"],
+        ["dvc", "repro", "--single-item", "sft"],
         cwd=repo,
         env=env,
         stdout=subprocess.PIPE,
@@ -499,26 +502,26 @@ def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
         text=True,
         start_new_session=True,
     )
-    stage = _child(proc, lambda cmd: cmd[-1:] == ["prepare"] and any(a.endswith("/rlhf") for a in cmd), COMMAND_TIMEOUT)
-    taken = lock_file(str(repo / "data"), "prepare")  # by `rlhf prepare` once its interrupt handling is on
+    stage = _child(proc, lambda cmd: cmd[-1:] == ["sft"] and any(a.endswith("/rlhf") for a in cmd), COMMAND_TIMEOUT)
+    taken = lock_file(str(repo / "data"), "sft")  # by `rlhf sft` once its interrupt handling is on
     with contextlib.suppress(psutil.NoSuchProcess):  # mid-stage: past its start-up on a box of any speed
         while not (taken.exists() and taken.read_text() == str(stage.pid)) or sum(stage.cpu_times()[:2]) < 2.0:
             time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals DVC and the stage's process together
     out, _ = proc.communicate(timeout=COMMAND_TIMEOUT)
     assert proc.returncode == 255, out
-    assert "interrupted\nERROR: failed to reproduce 'prepare': failed to run: exec rlhf prepare, exited with 130" in out
+    assert "interrupted\nERROR: failed to reproduce 'sft': failed to run: exec rlhf sft, exited with 130" in out
     assert (repo / "dvc.lock").read_bytes() == lock  # the interrupted run is not recorded as done
-    assert not list((repo / "data").glob(".prepared.*"))  # no half-written folder
-    assert "prepare" in json.loads(run_ok(["dvc", "status", "--json", "prepare"], repo, env))
+    assert not list((repo / "data").glob(".sft.*"))  # no half-written folder
+    assert "sft" in json.loads(run_ok(["dvc", "status", "--json", "sft"], repo, env))
     # the outputs are `persist: true`: DVC leaves them to the stage, which had not replaced them yet
-    assert folder_digest(repo / "data" / "prepared") == before
-    assert not run_ok(["git", "status", "--porcelain", "data/metrics"], repo, env)  # the metrics file as committed
-    assert "Running stage 'prepare'" in run_ok(["dvc", "repro", "--single-item", "prepare"], repo, env)
-    assert json.loads(run_ok(["dvc", "status", "--json", "prepare"], repo, env)) == {}
+    assert folder_digest(repo / "data" / "sft") == before
+    assert not run_ok(["git", "status", "--porcelain", "data/metrics"], repo, env)  # the metrics files as committed
+    assert "Running stage 'sft'" in run_ok(["dvc", "repro", "--single-item", "sft"], repo, env)
+    assert json.loads(run_ok(["dvc", "status", "--json", "sft"], repo, env)) == {}
 
     # a bad setting given through DVC fails at the stage's config load, and DVC has removed nothing
-    run_ok(["git", "commit", "-qam", "seed 4321"], repo, env)
+    run_ok(["git", "commit", "-qam", "sft.learning_rate"], repo, env)
     before, lock = folder_digest(repo / "data"), (repo / "dvc.lock").read_bytes()
     bad = subprocess.run(
         ["dvc", "exp", "run", "-S", "++data.n_sft=-5", "prepare"], cwd=repo, env=env, capture_output=True, text=True

@@ -13,6 +13,8 @@ import pytest
 import warm
 from conftest import ROOT, drawn_offline
 
+from rlhf.tracking import logged_rows
+
 # The tests on the module's `repo` build on each other ("after the change above"): one worker runs them in order.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pipeline")]
 
@@ -237,8 +239,7 @@ def test_the_math_task_end_to_end_with_dvc_repro(tmp_path, dvc_cache):
     for key in ("accuracy/policy", "accuracy/sft", "pass_at_4/policy", "pass_at_4/sft", "accuracy/sft_difficulty_3"):
         assert 0.0 <= ev[key] <= 1.0, key
     assert ev["accuracy/gain"] == ev["accuracy/policy"] - ev["accuracy/sft"] and ev["n_prompts"] == 16
-    with open(repo / "data" / "plots" / "train.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = logged_rows(repo / "data")
     assert len(rows) == 2 and all(0.0 <= float(r["objective/gold"]) <= 1.0 for r in rows)  # the verifier's gold
     assert all(float(r["timing/scoring_engine"]) > 0 for r in rows)  # the engine process scored with the rule
     with open(repo / "data" / "plots" / "frontier.csv") as f:

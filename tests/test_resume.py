@@ -19,6 +19,7 @@ from conftest import COMMAND_TIMEOUT, ROOT, accelerate_launch, rlhf_command
 from safetensors import safe_open
 
 from rlhf.config import TrainConfig
+from rlhf.tracking import is_wall_clock, logged_rows
 from rlhf.trainers.frontier import frontier_batches
 
 pytestmark = pytest.mark.slow
@@ -48,8 +49,9 @@ def killed(proc, processes: int) -> bool:
 def results(data_dir):
     """Everything the run produced except wall-clock figures: metrics, per-batch rows, the policy's weights and
     those of the policies kept for the frontier (train.eval_checkpoints)."""
-    with open(data_dir / "plots" / "train.csv") as f:
-        rows = [{k: v for k, v in r.items() if not k.startswith("timing/") and k != "eps"} for r in csv.DictReader(f)]
+    with open(data_dir / "plots" / "train.csv") as f:  # the results; the wall-clock columns are in timing.csv
+        rows = list(csv.DictReader(f))
+    assert not any(is_wall_clock(k) for k in rows[0])
     policies = [data_dir / "train" / "policy", *sorted((data_dir / "train" / "frontier").iterdir())]
     kept = frontier_batches(TrainConfig().eval_checkpoints, num_batches=len(rows))  # the ci profile's default
     assert len(policies) == 1 + len(kept), policies
@@ -58,9 +60,8 @@ def results(data_dir):
 
 
 def rows(data_dir) -> list[dict]:
-    """train.csv's rows, as logged."""
-    with open(data_dir / "plots" / "train.csv") as f:
-        return list(csv.DictReader(f))
+    """The run's rows as logged: train.csv's results and timing.csv's wall-clock columns."""
+    return logged_rows(data_dir)
 
 
 # sync HF engine; async vLLM engine, N=1, as a Ray actor (the engine process: the two-rank test below; two Ray
