@@ -52,7 +52,7 @@ RUNS = {
 }
 SYNC = ("sync_hf", "sync_hf_2t", "vllm_colocated", "vllm_colocated_2t")
 TWO_RANKS = {"vllm_async_2ranks": ("online_dpo_vllm", ())}  # under accelerate launch --num_processes 2
-# the logged timing/* columns (the run's timing.csv) summed over the run; wait: the learner waiting for the engine
+# the logged timing/* columns (data/timing/train.csv) summed over the run; wait: the learner waiting for the engine
 # (async only); scoring_engine: scores and reference log-probs computed in the engine process (overlapped)
 BREAKDOWN = ("scoring", "reference", "update", "weight_sync", "wait", "scoring_engine", "engine_idle")
 

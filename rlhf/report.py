@@ -26,7 +26,7 @@ import pandas as pd
 
 from rlhf.config import DEFAULT_PARAMS, Config, changed_settings, profile_note
 from rlhf.io import atomic_dir, read_csv, read_json, write_text
-from rlhf.tracking import TIMING_FILE, log_results
+from rlhf.tracking import TIMING, log_results
 
 # The headline metrics per stage, in the order shown: key -> (readable name, unit, what it means).
 WIN = "share of eval prompts"
@@ -317,8 +317,8 @@ def _row(*cells: str, tag: str = "td") -> str:
 
 def _logged(cfg: Config) -> pd.DataFrame | None:
     """The train stage's rows: the results (plots/train.csv) with their wall-clock columns beside them
-    (train/timing.csv, rlhf.tracking)."""
-    steps, timing = _read_csv(cfg.path("plots", "train.csv")), _read_csv(cfg.path("train", TIMING_FILE))
+    (timing/train.csv, rlhf.tracking)."""
+    steps, timing = _read_csv(cfg.path("plots", "train.csv")), _read_csv(cfg.path(TIMING, "train.csv"))
     if steps is None or timing is None:
         return steps
     return steps.join(timing.drop(columns=[c for c in timing if c in steps]))

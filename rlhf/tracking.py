@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
 STEP = "train/episode"
 AXES = (STEP, "train/global_step")  # in both of a run's row files, so each reads on its own
-TIMING_FILE = "timing.csv"  # in the stage's output folder: the wall-clock columns of its rows
+# data/timing/<stage>.csv: the wall-clock columns of a run's rows, an output of its own (dvc.yaml), on which no
+# stage depends: a rerun with the same results changes only its hash in dvc.lock, and nothing downstream reruns.
+TIMING = "timing"
 COMPLETION_COLUMNS = ["prompt", "completion", "reward", "gold"]
 
 
@@ -28,8 +30,8 @@ def is_wall_clock(column: str) -> bool:
 
 def logged_rows(data_dir: Path | str, stage: str = "train") -> list[dict[str, str]]:
     """A run's rows as `Tracker.finish` wrote them, as strings: plots/<stage>.csv (the results, tracked in git)
-    joined row by row with <stage>/timing.csv (the wall-clock columns, part of the stage's DVC output)."""
-    results, timing = Path(data_dir) / "plots" / f"{stage}.csv", Path(data_dir) / stage / TIMING_FILE
+    joined row by row with timing/<stage>.csv (the wall-clock columns, a DVC output)."""
+    results, timing = Path(data_dir) / "plots" / f"{stage}.csv", Path(data_dir) / TIMING / f"{stage}.csv"
     with open(results) as f:
         rows = list(csv.DictReader(f))
     if not timing.exists():
@@ -115,7 +117,7 @@ class Tracker:
         """rows/run_id: a resumed run's history from its checkpoint; W&B continues the same run."""
         self.enabled = enabled
         self.plot_path = cfg.path("plots", f"{stage}.csv")
-        self.timing_path = cfg.path(stage, TIMING_FILE)
+        self.timing_path = cfg.path(TIMING, f"{stage}.csv")
         self.metrics_path = cfg.path("metrics", f"{stage}.json")
         self.rows: list[dict] = list(rows or [])
         self.run = None

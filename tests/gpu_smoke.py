@@ -45,7 +45,7 @@ class Check:
     cmd: list[str]
     gpus: tuple[int, ...] = (0,)  # the GPUs (as the check's process numbers them) it should use
     timeout: float = TRAIN_TIMEOUT
-    data: Path | None = None  # its data_dir: train runs' timing/weight_sync come from its train/timing.csv
+    data: Path | None = None  # its data_dir: train runs' timing/weight_sync come from its timing/train.csv
 
 
 def checks(data: Path, gpus: int, vllm_cuda: bool) -> list[Check]:

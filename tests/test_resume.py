@@ -49,7 +49,7 @@ def killed(proc, processes: int) -> bool:
 def results(data_dir):
     """Everything the run produced except wall-clock figures: metrics, per-batch rows, the policy's weights and
     those of the policies kept for the frontier (train.eval_checkpoints)."""
-    with open(data_dir / "plots" / "train.csv") as f:  # the results; the wall-clock columns are in timing.csv
+    with open(data_dir / "plots" / "train.csv") as f:  # the results; the wall-clock columns: timing/train.csv
         rows = list(csv.DictReader(f))
     assert not any(is_wall_clock(k) for k in rows[0])
     policies = [data_dir / "train" / "policy", *sorted((data_dir / "train" / "frontier").iterdir())]
@@ -60,7 +60,7 @@ def results(data_dir):
 
 
 def rows(data_dir) -> list[dict]:
-    """The run's rows as logged: train.csv's results and timing.csv's wall-clock columns."""
+    """The run's rows as logged: plots/train.csv's results and timing/train.csv's wall-clock columns."""
     return logged_rows(data_dir)
 
 

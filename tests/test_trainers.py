@@ -92,10 +92,10 @@ def test_an_async_run_that_waited_for_its_engine_says_which_setting_fills_the_wa
     assert start_up_hint(TrainConfig(), []) is None
 
 
-def test_the_tracked_rows_file_holds_results_only_and_timing_csv_the_wall_clock(tmp_path):
+def test_the_tracked_rows_file_holds_results_only_and_the_timing_file_the_wall_clock(tmp_path):
     """Tracker.finish: plots/train.csv (in git) without timing/* and eps, so an identical rerun leaves it and
-    dvc.lock unchanged; train/timing.csv (a DVC output) with them and the axes; logged_rows joins them back. A
-    timing.csv of another run (other row count) is an error naming it."""
+    dvc.lock unchanged; timing/train.csv (a DVC output) with them and the axes; logged_rows joins them back. A
+    timing file of another run (other row count) is an error naming it."""
     from rlhf.tracking import Tracker, logged_rows
 
     cfg = ci_config(tmp_path, "tracking.wandb_mode=disabled")
@@ -110,10 +110,10 @@ def test_the_tracked_rows_file_holds_results_only_and_timing_csv_the_wall_clock(
     tracker.finish({"final/objective/scores": 2.5})
     with open(tmp_path / "plots" / "train.csv") as f:
         assert next(csv.reader(f)) == ["objective/scores", "train/episode", "train/global_step"]
-    with open(tmp_path / "train" / "timing.csv") as f:
+    with open(tmp_path / "timing" / "train.csv") as f:
         assert next(csv.reader(f)) == ["eps", "timing/step", "train/episode", "train/global_step"]
     assert [{k: float(v) for k, v in r.items()} for r in logged_rows(tmp_path)] == logged
-    timing = tmp_path / "train" / "timing.csv"
+    timing = tmp_path / "timing" / "train.csv"
     timing.write_text("".join(timing.read_text().splitlines(keepends=True)[:-1]))
     with pytest.raises(ValueError, match=rf"{timing}: 2 rows for the 3 of .*train.csv"):
         logged_rows(tmp_path)

@@ -10,7 +10,7 @@ HINT_SECONDS = 2.0  # a first wait for the engine worth filling with the learner
 def final_metrics(rows: list[dict], state) -> dict:
     """Results only: `final/<metric>` = the mean over the last quarter of the rows, the first batch's scores and
     gold, episodes and optimizer steps (state: the loop's checkpoint.LoopState). Wall-clock figures (timing/*,
-    eps) differ between identical runs: they go to the run's timing.csv (rlhf.tracking)."""
+    eps) differ between identical runs: they go to timing/train.csv (rlhf.tracking)."""
     last = rows[-max(1, len(rows) // 4) :]
     final = {f"final/{k}": v for k, v in mean_stats(last).items() if not k.startswith(("timing/", "train/"))}
     final.pop("final/eps", None)
