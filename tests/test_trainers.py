@@ -38,8 +38,10 @@ def documented_metrics(trainer: str, engine: str = "hf") -> set[str]:
 
 
 def read_rows(data_dir):
-    with open(data_dir / "plots" / "train.csv") as f:
-        return list(csv.DictReader(f))
+    """The run's rows as logged: results and wall-clock columns (rlhf.tracking.logged_rows)."""
+    from rlhf.tracking import logged_rows
+
+    return logged_rows(data_dir)
 
 
 @pytest.mark.parametrize("trainer", HF_TRAINERS)
