@@ -38,9 +38,16 @@ def logged_rows(data_dir: Path | str, stage: str = "train") -> list[dict[str, st
         return rows
     with open(timing) as f:
         clock = list(csv.DictReader(f))
-    if len(clock) != len(rows):
-        raise ValueError(f"{timing}: {len(clock)} rows for the {len(rows)} of {results}: not written by the same run")
+    same_run(timing, len(clock), results, len(rows))
     return [{**r, **t} for r, t in zip(rows, clock)]
+
+
+def same_run(timing: Path, timing_rows: int, results: Path, result_rows: int) -> None:
+    """A timing file with another row count than the results beside it is another run's: a ValueError naming it."""
+    if timing_rows != result_rows:
+        raise ValueError(
+            f"{timing}: {timing_rows} rows for the {result_rows} of {results}: not written by the same run"
+        )
 
 
 WANDB_MODES = ("online", "offline", "disabled")
