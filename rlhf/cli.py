@@ -23,7 +23,7 @@ from rlhf.config import DEFAULT_PARAMS, ConfigError, config_yaml, load_config
 from rlhf.io import check_writable, published_together, stage_lock
 from rlhf.presets import PRESETS, describe
 from rlhf.stages import built_with
-from rlhf.tracking import TIMING
+from rlhf.tracking import row_files
 
 # The folder each stage writes under data_dir (besides metrics/<stage>.json and plots/), as dvc.yaml declares.
 STAGE_OUTPUTS = {
@@ -179,7 +179,7 @@ def _run(argv: list[str] | None) -> int:
             print(config_yaml(cfg), end="")
             return 0
         outputs = [cfg.path(STAGE_OUTPUTS[args.command]), cfg.path("metrics"), cfg.path("plots")]
-        outputs += [cfg.path(TIMING)] if args.command == "train" else []  # its rows' wall-clock columns
+        outputs += [row_files(cfg.data_dir)[1].parent] if args.command == "train" else []  # rows' wall-clock columns
         check_writable(outputs + ([cfg.path("checkpoints")] if args.command == "train" else []))
         built_with.check_inputs(cfg, args.command)
         if args.command in WITHOUT_TORCH:

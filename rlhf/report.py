@@ -26,7 +26,7 @@ import pandas as pd
 
 from rlhf.config import DEFAULT_PARAMS, Config, changed_settings, profile_note
 from rlhf.io import atomic_dir, read_csv, read_json, write_text
-from rlhf.tracking import TIMING, log_results, same_run
+from rlhf.tracking import log_results, row_files, same_run
 
 # The headline metrics per stage, in the order shown: key -> (readable name, unit, what it means).
 WIN = "share of eval prompts"
@@ -318,7 +318,7 @@ def _row(*cells: str, tag: str = "td") -> str:
 def _logged(cfg: Config) -> pd.DataFrame | None:
     """The train stage's rows: the results (plots/train.csv) with their wall-clock columns beside them
     (timing/train.csv, rlhf.tracking)."""
-    results, clock = cfg.path("plots", "train.csv"), cfg.path(TIMING, "train.csv")
+    results, clock = row_files(cfg.data_dir)
     steps, timing = _read_csv(results), _read_csv(clock)
     if steps is None or timing is None:
         return steps

@@ -17,9 +17,6 @@ if TYPE_CHECKING:
 
 STEP = "train/episode"
 AXES = (STEP, "train/global_step")  # in both of a run's row files, so each reads on its own
-# data/timing/<stage>.csv: the wall-clock columns of a run's rows, an output of its own (dvc.yaml), on which no
-# stage depends: a rerun with the same results changes only its hash in dvc.lock, and nothing downstream reruns.
-TIMING = "timing"
 COMPLETION_COLUMNS = ["prompt", "completion", "reward", "gold"]
 
 
@@ -28,10 +25,17 @@ def is_wall_clock(column: str) -> bool:
     return column.startswith("timing/") or column == "eps"
 
 
+def row_files(data_dir: Path | str, stage: str = "train") -> tuple[Path, Path]:
+    """Where a run's rows go: plots/<stage>.csv (the results, tracked in git) and timing/<stage>.csv (their
+    wall-clock columns, an output of its own in dvc.yaml on which no stage depends: a rerun with the same results
+    changes only its hash in dvc.lock, and nothing downstream reruns)."""
+    return Path(data_dir) / "plots" / f"{stage}.csv", Path(data_dir) / "timing" / f"{stage}.csv"
+
+
 def logged_rows(data_dir: Path | str, stage: str = "train") -> list[dict[str, str]]:
     """A run's rows as `Tracker.finish` wrote them, as strings: plots/<stage>.csv (the results, tracked in git)
     joined row by row with timing/<stage>.csv (the wall-clock columns, a DVC output)."""
-    results, timing = Path(data_dir) / "plots" / f"{stage}.csv", Path(data_dir) / TIMING / f"{stage}.csv"
+    results, timing = row_files(data_dir, stage)
     with open(results) as f:
         rows = list(csv.DictReader(f))
     if not timing.exists():
@@ -123,8 +127,7 @@ class Tracker:
     ):
         """rows/run_id: a resumed run's history from its checkpoint; W&B continues the same run."""
         self.enabled = enabled
-        self.plot_path = cfg.path("plots", f"{stage}.csv")
-        self.timing_path = cfg.path(TIMING, f"{stage}.csv")
+        self.plot_path, self.timing_path = row_files(cfg.data_dir, stage)
         self.metrics_path = cfg.path("metrics", f"{stage}.json")
         self.rows: list[dict] = list(rows or [])
         self.run = None

@@ -58,14 +58,14 @@ class _GumbelMaxSampler(LogitsProcessor):
 
 
 @contextlib.contextmanager
-def _only_generation_config(model: torch.nn.Module, config: GenerationConfig) -> Iterator[GenerationConfig]:
+def _only_generation_config(model: torch.nn.Module, config: GenerationConfig) -> Iterator[None]:
     """`config` as the generating model's own generation config inside the block. `generate` fills every field a
     config leaves unset from the model's: a checkpoint's repetition_penalty or no_repeat_ngram_size would reshape
     the distribution, and the log-probs returned would no longer be those the tokens were sampled from."""
     owner = model.get_base_model() if lora.is_lora(model) else model  # PEFT forwards generate to its base model
     saved, owner.generation_config = owner.generation_config, config
     try:
-        yield config
+        yield
     finally:
         owner.generation_config = saved
 
@@ -98,8 +98,8 @@ class HFEngine:
         ids, mask = (t.repeat_interleave(p.k, 0).to(self.device) for t in pad_left(prompts, self.pad_token_id))
         was_training = self.model.training
         self.model.eval()
-        sampler = _GumbelMaxSampler(p.temperature)
-        with gathered_parameters(self.model), _only_generation_config(self.model, self._greedy(p)) as config:
+        sampler, config = _GumbelMaxSampler(p.temperature), self._greedy(p)
+        with gathered_parameters(self.model), _only_generation_config(self.model, config):
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask.long(),

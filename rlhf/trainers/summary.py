@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rlhf.config import TrainConfig
+from rlhf.tracking import is_wall_clock
 
 HINT_SECONDS = 2.0  # a first wait for the engine worth filling with the learner's own batches
 
@@ -12,8 +13,7 @@ def final_metrics(rows: list[dict], state) -> dict:
     gold, episodes and optimizer steps (state: the loop's checkpoint.LoopState). Wall-clock figures (timing/*,
     eps) differ between identical runs: they go to timing/train.csv (rlhf.tracking)."""
     last = rows[-max(1, len(rows) // 4) :]
-    final = {f"final/{k}": v for k, v in mean_stats(last).items() if not k.startswith(("timing/", "train/"))}
-    final.pop("final/eps", None)
+    final = {f"final/{k}": v for k, v in mean_stats(last).items() if not (is_wall_clock(k) or k.startswith("train/"))}
     final.update({"episodes": state.episode, "optimizer_steps": state.global_step})
     first = rows[0] if rows else {}
     final.update({f"first/{k}": first[k] for k in ("objective/scores", "objective/gold") if k in first})
