@@ -3,6 +3,7 @@ child process, and the interval a comparison's verdict is read from."""
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import statistics
@@ -31,6 +32,15 @@ def scratch_data(dst: Path, inputs: tuple[str, ...] = PIPELINE_INPUTS, source: P
             if entry.name != RECORD:
                 (dst / name / entry.name).symlink_to(entry)
     return dst
+
+
+def merged(path: Path, results: dict, replaced: list[str]) -> dict:
+    """A metrics file's entries with those under each of `replaced` (a key's first path part: a run, an algorithm)
+    replaced by `results`, the others kept: a run of part of a benchmark keeps the last figures of the rest (each
+    part's entries name their box and date)."""
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    kept = {k: v for k, v in kept.items() if k.split("/", 1)[0] not in replaced}
+    return dict(sorted({**kept, **results}.items()))
 
 
 def cpu_flags() -> str:

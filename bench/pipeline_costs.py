@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import cpu_flags  # bench/ is sys.path[0]
+from common import cpu_flags, merged  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # flows/
@@ -150,15 +150,7 @@ def main() -> None:
     print(f"\nprofile {args.profile}, trainer {trainer}, overrides {overrides or 'none'}")
     suffix = f"_{args.trainer}" if args.trainer else ""
     path = ROOT / "bench" / "metrics" / f"pipeline_costs_{args.profile}{suffix}.json"
-    write_json(path, merged(path, results, args.runs.split(",")))
-
-
-def merged(path: Path, results: dict, runs: list[str]) -> dict:
-    """The metrics file's entries with those of `runs` replaced by `results`: a run of dvc alone keeps the
-    last Prefect run's figures (each entry names its box and date)."""
-    kept = json.loads(path.read_text()) if path.exists() else {}
-    kept = {k: v for k, v in kept.items() if k.split("/", 1)[0] not in runs}
-    return dict(sorted({**kept, **results}.items()))
+    write_json(path, merged(path, results, args.runs.split(",")))  # a dvc run alone keeps the Prefect run's
 
 
 if __name__ == "__main__":

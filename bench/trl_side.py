@@ -219,8 +219,15 @@ def trainer_classes(algo: str):
     raise SystemExit(f"trl_side: unknown algorithm {algo!r} (online_dpo | rloo)")
 
 
-def build_trainer(algo: str, s: dict, out: Path, tokenizer, reward, dataset, callbacks):
-    top = dict(temperature=s["temperature"], top_k=0, top_p=1.0)
+def temper_logits(model, temperature: float) -> None:
+    """Divide the model's LM-head logits by `temperature` in every forward (generate's included)."""
+    model.get_output_embeddings().register_forward_hook(lambda module, inputs, logits: logits / temperature)
+
+
+def build_trainer(algo: str, s: dict, out: Path, tokenizer, reward, dataset, callbacks, tempered: bool = False):
+    """TRL's trainer for `algo` on the spec's settings. tempered (online DPO): its log-probs from logits / T, as ours,
+    instead of raw logits; it then samples at temperature 1 from those tempered logits (the same distribution)."""
+    top = dict(temperature=1.0 if tempered else s["temperature"], top_k=0, top_p=1.0)
     config_cls, trainer_cls = trainer_classes(algo)
     if algo == "online_dpo":
         args = config_cls(
@@ -248,7 +255,7 @@ def build_trainer(algo: str, s: dict, out: Path, tokenizer, reward, dataset, cal
             shuffle_dataset=False,
             disable_dropout=True,
         )
-    return trainer_cls(
+    trainer = trainer_cls(
         model=s["sft"],
         reward_funcs=reward,
         args=args,
@@ -256,12 +263,19 @@ def build_trainer(algo: str, s: dict, out: Path, tokenizer, reward, dataset, cal
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    if tempered:
+        if algo != "online_dpo" or trainer.ref_model is None:
+            raise SystemExit("trl_side: --tempered-logprobs is for online_dpo with a reference model copy")
+        for model in (trainer.model, trainer.ref_model):
+            temper_logits(model, s["temperature"])
+    return trainer
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", required=True, help="JSON written by bench/vs_trl.py")
     ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--tempered-logprobs", action="store_true", help="online DPO: log-probs of logits / T, as ours")
     a = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("RLHF_TORCH_THREADS", "1")))  # bench/vs_trl.py's --threads
     process_start = time.perf_counter()
@@ -293,7 +307,7 @@ def main() -> None:
         s["penalty_reward_value"] if s["non_eos_penalty"] else None,
     )
     timer = step_timer()
-    trainer = build_trainer(s["algo"], s, out, tokenizer, reward, dataset, [timer])
+    trainer = build_trainer(s["algo"], s, out, tokenizer, reward, dataset, [timer], a.tempered_logprobs)
     setup_seconds = time.perf_counter() - build_start
     gen = timed_generate(trainer.model)
     start = time.perf_counter()

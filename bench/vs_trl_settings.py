@@ -114,7 +114,7 @@ def settings_rows(cfg, algo: str) -> list[tuple[str, str, str]]:
         (
             "log-prob temperature",
             f"logits/{T}",
-            "logits/1  (NOT matched: TRL OnlineDPO)" if algo == "online_dpo" else f"logits/{T}",
+            "logits/1  (NOT matched; side trl_tempered: logits/T)" if algo == "online_dpo" else f"logits/{T}",
         ),
         (
             "optimizer",

@@ -52,3 +52,54 @@ def test_a_seed_override_chooses_the_first_seed_and_is_not_passed_on():
     assert async_vs_sync.split_seed(["train.total_episodes=256"]) == (None, ["train.total_episodes=256"])
     with pytest.raises(SystemExit, match="train.seed"):
         async_vs_sync.split_seed(["train.seed=3"])
+
+
+def _run(side: str, rep: int, wall: float, rewards: list[float], kls: list[float]) -> dict:
+    return dict(
+        side=side, algo="online_dpo", rep=rep, wall_seconds=wall, loop_seconds=wall / 2, train_seconds=wall,
+        peak_rss_bytes=1, final_proxy_reward=sum(rewards) / len(rewards), final_kl=sum(kls) / len(kls), threads=2,
+        prompt_rewards=rewards, prompt_kls=kls, reward_check_max_abs_diff=0.0,
+    )  # fmt: skip
+
+
+def test_the_comparison_with_tempered_trl_pairs_against_that_side_and_judges_no_speed_target():
+    runs = [
+        _run("ours", 1, 10.0, [1.0, 1.2], [4.0, 6.0]),
+        _run("trl", 1, 20.0, [1.3, 1.5], [8.0, 10.0]),
+        _run("trl_tempered", 1, 30.0, [1.0, 1.2], [4.5, 6.5]),
+    ]
+    plain = vs_trl.compare("online_dpo", runs, "ours", 1)
+    assert plain["online_dpo/reward_ours_minus_trl"] == pytest.approx(-0.3)
+    assert plain["online_dpo/kl_ours_minus_trl"] == pytest.approx(-4.0)
+    assert plain["online_dpo/speedup_wall"] == pytest.approx(2.0) and plain["online_dpo/target_met"] == 0
+    tempered = vs_trl.compare("online_dpo", runs, "ours", 1, theirs="trl_tempered")
+    assert tempered["online_dpo/vs_tempered_reward_ours_minus_trl"] == pytest.approx(0.0)
+    assert tempered["online_dpo/vs_tempered_reward_equal"] == 1
+    assert tempered["online_dpo/vs_tempered_kl_ours_minus_trl"] == pytest.approx(-0.5)
+    assert tempered["online_dpo/vs_tempered_speedup_wall"] == pytest.approx(3.0)
+    assert "online_dpo/vs_tempered_target_met" not in tempered
+
+
+def test_tempered_trl_scores_and_samples_from_the_logits_over_t():
+    """trl_side.temper_logits: every forward's logits / T, so TRL's log_softmax is of the tempered policy and its
+    sampling at temperature 1 draws from softmax(logits / T), as ours."""
+    import torch
+    import trl_side
+
+    from rlhf.config import ModelConfig
+    from rlhf.models import tiny
+
+    tok = tiny.train_word_tokenizer(["a b c d e f g h"] * 4, 64)
+    model = tiny.build_tiny_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32), tok, 0)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    raw = model(input_ids=ids).logits
+    trl_side.temper_logits(model, 0.7)
+    assert torch.allclose(model(input_ids=ids).logits, raw / 0.7)
+
+
+def test_a_partial_benchmark_run_replaces_its_own_entries_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "vs_trl.json"
+    path.write_text('{"online_dpo/speedup_wall": 1.0, "online_dpo/old_key": 3, "rloo/speedup_wall": 1.4}')
+    out = common.merged(path, {"online_dpo/speedup_wall": 1.2}, ["online_dpo"])
+    assert out == {"online_dpo/speedup_wall": 1.2, "rloo/speedup_wall": 1.4}  # no stale online_dpo key survives
+    assert common.merged(tmp_path / "missing.json", {"a/b": 1}, ["a"]) == {"a/b": 1}
