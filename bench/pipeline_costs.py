@@ -3,7 +3,7 @@ and the peak memory (RSS) of every stage, the vLLM engine process included.
 
 Usage:
     .venv/bin/python -m rlhf.runtime python bench/pipeline_costs.py [--profile tiny] [--runs dvc,prefect] \
-        [section.key=value ...]
+        [--label LABEL] [section.key=value ...]
 A throwaway clone of the project (HEAD, with the checkout's uncommitted changes to tracked files) with its
 own empty DVC cache, so every stage really runs:
   prefect  a real Prefect server on 127.0.0.1 and the `rlhf` flow against it (as a deployment run executes
@@ -125,9 +125,15 @@ def main() -> None:
     ap.add_argument("--profile", default="tiny")
     ap.add_argument("--runs", default="prefect,dvc", help="comma-separated: prefect, dvc")
     ap.add_argument("--trainer", default=None, help="train.trainer (default: params.yaml's)")
+    ap.add_argument(
+        "--label",
+        default="",
+        help="suffix of the runs' names in the metrics (dvc-LABEL): a run under other conditions, e.g. one core",
+    )
     ap.add_argument("overrides", nargs="*", help="section.key=value written into the clone's params.yaml")
     args = ap.parse_args()
     overrides = [*args.overrides, *([f"train.trainer={args.trainer}"] if args.trainer else [])]
+    tag = f"-{args.label}" if args.label else ""  # the runs' names in the metrics
     root = Path(tempfile.mkdtemp(prefix="rlhf-costs-", dir=ROOT / ".cache"))
     results = {}
     try:
@@ -144,13 +150,15 @@ def main() -> None:
                 total = run_prefect(project, env, trainer)
             else:
                 raise SystemExit(f"--runs: unknown run {name!r} (expected prefect or dvc)")
-            results.update(summarise(name, total, read_stats(stats_file)))
+            results.update(summarise(name + tag, total, read_stats(stats_file)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\nprofile {args.profile}, trainer {trainer}, overrides {overrides or 'none'}")
     suffix = f"_{args.trainer}" if args.trainer else ""
     path = ROOT / "bench" / "metrics" / f"pipeline_costs_{args.profile}{suffix}.json"
-    write_json(path, merged(path, results, args.runs.split(",")))  # a dvc run alone keeps the Prefect run's
+    write_json(
+        path, merged(path, results, [name + tag for name in args.runs.split(",")])
+    )  # a dvc run alone keeps the Prefect run's
 
 
 if __name__ == "__main__":

@@ -248,7 +248,7 @@ def compare(algo: str, runs: list[dict], mine: str, repeats: int, theirs: str = 
             f"{algo}/{tag}kl_ours_minus_trl": mean(kl_diffs),
             f"{algo}/{tag}kl_diff_low90": kl_low,
             f"{algo}/{tag}kl_diff_high90": kl_high,
-            f"{algo}/trl_reward_check_max_abs_diff": max(t["reward_check_max_abs_diff"] for _, t in pairs),
+            f"{algo}/{theirs}_reward_check_max_abs_diff": max(t["reward_check_max_abs_diff"] for _, t in pairs),
         }
     )
     if theirs == "trl":
@@ -262,7 +262,7 @@ def compare(algo: str, runs: list[dict], mine: str, repeats: int, theirs: str = 
         f"{high:+.3f}] ({', '.join(f'{d:+.3f}' for d in diffs)}): {'equal' if g('reward_equal') else 'NOT equal'} "
         f"within +-{MARGIN}, {'not worse' if g('reward_not_worse') else 'possibly worse'} -> {verdict}\n  {'':<11}"
         f"KL to SFT {g('kl_ours_minus_trl'):+.2f} nats, 90% [{kl_low:+.2f}, {kl_high:+.2f}]; TRL's reward callable vs "
-        f"rlhf ProxyReward: max |diff| {m[f'{algo}/trl_reward_check_max_abs_diff']:.1e}"
+        f"rlhf ProxyReward: max |diff| {m[f'{algo}/{theirs}_reward_check_max_abs_diff']:.1e}"
     )
     return m
 
