@@ -360,10 +360,11 @@ def llama_step(device, ckpt: bool, batch: int, seq: int, steps: int, **shape) ->
 
 def weight_sync(device, repeats: int, **shape) -> dict:
     """The async engine's host-memory weight sync of the Llama's state dict (shared_snapshot: GPU -> SharedWeights,
-    then the engine's copy back to a GPU), a pinned-buffer round trip, and a device-to-device copy; GB/s each."""
+    page-locked on a GPU, then the engine's copy back to a GPU), the same copy into never-locked shared buffers, a
+    pinned-buffer round trip, and a device-to-device copy; GB/s each."""
     import torch
 
-    from rlhf.generation.weights import shared_snapshot
+    from rlhf.generation.weights import SharedWeights, shared_snapshot, weight_stream
 
     model = _llama(device, **shape)
     state = {n: t.detach() for n, t in model.state_dict().items()}
@@ -381,12 +382,19 @@ def weight_sync(device, repeats: int, **shape) -> dict:
     figures["shm_free_gb"] = round(shm_free, 1)
     if shm_free < 1.2 * gb:  # SharedWeights lives in /dev/shm: a fuller one ends the process with SIGBUS
         return {**figures, "error": f"/dev/shm has {shm_free:.1f} GB free, SharedWeights needs {gb:.1f} GB"}
-    spare = shared_snapshot(model)  # allocates the shared buffers once, as the first sync of a run does
+    start = time.perf_counter()
+    spare = shared_snapshot(model)  # a run's first sync: allocates the shared buffers, page-locks them on a GPU
+    figures["shared_first_s"] = round(time.perf_counter() - start, 3)
     down = _timed(lambda: shared_snapshot(model, spare), device, repeats)
+    # in this process the buffers are page-locked; the engine process maps the same memory without locking it
     up = _timed(lambda: [engine[n].copy_(t) for n, t in spare.tensors()], device, repeats)
     figures.update(shared_d2h_gbps=round(gb / down, 1), shared_h2d_gbps=round(gb / up, 1))
     figures["shared_sync_s"] = round(down + up, 3)
     figures["d2d_s"] = round(d2d, 4)
+    if shm_free >= 2.4 * gb:  # the same copy into shared buffers never page-locked: the sync before page_lock
+        with weight_stream(model) as (entries, _):
+            pageable = SharedWeights.allocate(entries)
+        figures["pageable_d2h_gbps"] = round(gb / _timed(lambda: pageable.fill(state.items()), device, repeats), 1)
     return figures
 
 

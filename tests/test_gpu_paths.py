@@ -258,3 +258,83 @@ def test_the_cli_refuses_a_cuda_engine_device_without_cuda_in_one_line(tmp_path)
     expected = "train.engine_device: cuda, but this machine has no CUDA device; use auto or cpu"
     assert out.returncode == 1 and out.stderr.strip() == f"rlhf train: error: {expected}", out.stderr
     assert not (tmp_path / "train").exists()
+
+
+# --- the async weight sync's page-locked buffers ----------------------------------------------------------------
+
+
+class CudaRuntimeStandIn:
+    """Stands in for torch.cuda.cudart() (no GPU here): records cudaHostRegister / cudaHostUnregister calls and
+    answers cudaErrorMemoryAllocation (2) to every registration when told to refuse."""
+
+    def __init__(self, refuse: bool = False):
+        self.registered, self.unregistered, self.refuse = [], [], refuse
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.registered.append((ptr, size))
+        return 2 if self.refuse else 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.unregistered.append(ptr)
+        return 0
+
+
+def _two_dtype_model():
+    tok = tiny.train_word_tokenizer(TEXTS, 64)
+    model = tiny.build_tiny_model(SMALL, tok, seed=0)
+    model.lm_head.to(torch.bfloat16)  # a second dtype: a second shared buffer
+    return model
+
+
+def _same_weights(copy, model) -> bool:
+    return all(torch.equal(t, model.state_dict()[name]) for name, t in copy.tensors())
+
+
+def test_a_gpu_models_shared_weights_are_page_locked_once_each_and_unlocked_when_freed(monkeypatch):
+    import gc
+
+    from rlhf.generation import weights
+
+    cudart = CudaRuntimeStandIn()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(weights, "on_gpu", lambda model: True)  # stands in for a model on a GPU
+    model = _two_dtype_model()
+    copy = weights.shared_snapshot(model)
+    buffers = {(b.data_ptr(), b.numel() * b.element_size()) for b in copy.buffers.values()}
+    assert len(buffers) == 2 and set(cudart.registered) == buffers and len(cudart.registered) == 2
+    assert weights.shared_snapshot(model, copy) is copy and len(cudart.registered) == 2  # a reused spare: not again
+    assert _same_weights(copy, model)
+    del copy
+    gc.collect()
+    assert sorted(cudart.unregistered) == sorted(ptr for ptr, _ in buffers)
+
+
+def test_a_cpu_models_shared_weights_are_never_page_locked(monkeypatch):
+    from rlhf.generation import weights
+
+    def no_cuda():
+        raise AssertionError("a CPU model's sync asked for the CUDA runtime")
+
+    monkeypatch.setattr(torch.cuda, "cudart", no_cuda)
+    model = _two_dtype_model()
+    assert _same_weights(weights.shared_snapshot(model), model)
+
+
+def test_memory_cuda_refuses_to_lock_stays_pageable_with_one_line_and_the_copy_is_right(monkeypatch, capsys):
+    import gc
+
+    from rlhf.generation import weights
+
+    cudart = CudaRuntimeStandIn(refuse=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(weights, "on_gpu", lambda model: True)  # stands in for a model on a GPU
+    model = _two_dtype_model()
+    copy = weights.shared_snapshot(model)
+    weights.shared_snapshot(model, copy)
+    assert len(cudart.registered) == 2  # each buffer asked once, not again at every sync
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all("could not page-lock" in line and "pageable" in line for line in lines)
+    assert _same_weights(copy, model)
+    del copy
+    gc.collect()
+    assert cudart.unregistered == []  # nothing was registered

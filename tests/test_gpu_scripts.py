@@ -47,6 +47,7 @@ def test_gpu_check_dry_run_prints_a_line_and_figures_per_check(ci_data, tmp_path
         assert step["tokens_per_s"] > 0 and step["batch_x_seq"] == "2x32" and 0.05 < step["params_m"] < 0.2
     sync = checks["llama-1b weight sync"]["figures"]
     assert sync["d2d_gbps"] > 0 and sync["shared_d2h_gbps"] > 0 and sync["shared_h2d_gbps"] > 0
+    assert sync["pageable_d2h_gbps"] > 0 and sync["shared_first_s"] > 0
     assert "train.lora.rank=4" in (out / "gpu_check.log").read_text()
 
 
