@@ -10,13 +10,13 @@ and where its time goes).
 Needs the pipeline's prepare/gold/sft/reward outputs (`make run` or `dvc repro reward`; --profile smollm2: its own,
 built once under .cache/bench/smollm2-data, see common.smollm2_data). Usage:
     .venv/bin/python -m rlhf.runtime python bench/async_vs_sync.py [--profile tiny] [--seeds 3] [--runs a,b]
-        [seed=S (the first seed)] [key=value ...]
+        [--label L] [seed=S (the first seed)] [key=value ...]
 Each run is `rlhf train` in a process of its own, as the train stage runs: "wall" is its wall clock (imports,
 model loading, engine start-up and saving included), "loop" its iterations, "1st wait" the learner waiting for the
 first batch (the async engine starting up) and "steady" the loop without that wait. Prints these, episodes/s, the
 per-step time breakdown and final gold score for each, the speedups (loop, steady, wall) and the ideal overlap of
-the sync run, and writes them to bench/metrics/async_vs_sync[_<profile>].json (a DVC metrics file), per seed
-too. Gold is the trained policy's samples on the eval prompts, drawn by the profile's `eval.engine`. Gold
+the sync run, and writes them to bench/metrics/async_vs_sync[_<profile>][_<label>].json (a DVC metrics file), per
+seed too. Gold is the trained policy's samples on the eval prompts, drawn by the profile's `eval.engine`. Gold
 differences between two runs of 1,024 episodes are a few points from sampling alone, so sync and async run with
 several seeds (the colocated run with the first) and the gold gap is a mean over seeds, with its standard error.
 """
@@ -97,6 +97,12 @@ def main() -> None:
         dest="first_batches",
         help="vllm_async_first's train.learner_first_batches, fixed by hand (default: by the rule of "
         "learner_first_batches, from this invocation's sync_hf and vllm_async runs)",
+    )
+    ap.add_argument(
+        "--label",
+        default="",
+        help="a run under other conditions or of part of the runs writes async_vs_sync[_<profile>]_<label>.json, "
+        "leaving the full run's file as it was",
     )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -333,7 +339,8 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
         + "; gold async - sync (points) "
         + ", ".join(f"{g:+.1f}" for g in gaps)
     )
-    name = "async_vs_sync" + ("" if args.profile == "tiny" else f"_{args.profile}") + ".json"
+    name = "async_vs_sync" + ("" if args.profile == "tiny" else f"_{args.profile}")
+    name += (f"_{args.label}" if args.label else "") + ".json"
     first = {f"{n}/{k}": v for n, r in results.items() for k, v in r.items()}
     later = {f"seed{i}/{n}/{k}": v for i, rs in enumerate(per_seed[1:], 1) for n, r in rs.items() for k, v in r.items()}
     write_json(ROOT / "bench" / "metrics" / name, {**summary, "cpu_flags": cpu_flags(), **first, **later})

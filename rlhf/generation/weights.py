@@ -148,8 +148,8 @@ def _page_lock(buffer: torch.Tensor) -> None:
     # forgotten (and unregistered) when the buffer is freed; not at exit, when the CUDA context may already be gone
     weakref.finalize(buffer, _forget, cudart, ptr).atexit = False
     if error:
-        print(f"weight sync: CUDA could not page-lock {size / 2**30:.2f} GiB of shared memory (cudaError {error}); "
-              f"copying into pageable memory instead", file=sys.stderr)  # fmt: skip
+        message = f"CUDA could not page-lock {size / 2**30:.2f} GiB of shared memory (cudaError {error})"
+        print(f"weight sync: {message}; copying into pageable memory instead", file=sys.stderr)
 
 
 def _forget(cudart, ptr: int) -> None:
