@@ -385,3 +385,23 @@ def test_the_tokenizer_less_chat_warmup_warning_is_dropped_and_other_warmup_fail
 
     assert not logger.filter(record(ValueError("Tokenizer not available when `skip_tokenizer_init=True`")))
     assert logger.filter(record(RuntimeError("a jinja template that does not compile")))
+
+
+def test_the_rotary_embeddings_reload_warning_is_dropped_and_other_layers_failures_kept():
+    """vLLM logged "RotaryEmbedding: Failed to load weights" at every sync (the layer has no checkpoint weights; its
+    own tensors are put back): filtered where vLLM logs it, while any other layer's failure still shows."""
+    import logging
+
+    from rlhf.generation.vllm import WithoutRotaryReloadWarning, import_engine_code
+
+    import_engine_code("cpu")
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    assert any(isinstance(f, WithoutRotaryReloadWarning) for f in logger.filters)
+
+    def record(layer: str) -> logging.LogRecord:
+        return logger.makeRecord(
+            logger.name, logging.WARNING, "layerwise.py", 266, "%s: Failed to load weights", (layer,), None
+        )
+
+    assert not logger.filter(record("RotaryEmbedding"))
+    assert logger.filter(record("LlamaMLP")) and logger.filter(record("QKVParallelLinear"))

@@ -95,6 +95,7 @@ def engine_process_main(device: str, inbox, results, stop) -> None:
     Errors are sent back as Error(traceback) before the process exits with code 1.
     """
     _die_with_parent()
+    _progress_bars_lock_threads_only()
     device = see_only(device)
     outbox = _Sender(results)
     try:
@@ -246,6 +247,18 @@ def _die_with_parent() -> None:
         pass  # not Linux: the check in _next_work still ends it
     if not _trainer_alive():
         os._exit(1)
+
+
+def _progress_bars_lock_threads_only() -> None:
+    """tqdm's first bar creates a multiprocessing lock (a named semaphore) so that bars of several processes can share
+    a terminal. This process ends with os._exit, which never unlinks it, and multiprocessing's resource tracker then
+    printed "leaked semaphore objects to clean up at shutdown" at the end of every async run. The engine's own bars
+    (vLLM's) are drawn by its threads only: a thread lock serves them."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 class _Sender:
