@@ -9,8 +9,8 @@ not touched) and stamps it. Runs alternate ours, ours_async and TRL (each at eve
 after the other, R rounds, each run a process of its own (peak RSS = the larger of its getrusage high-water mark
 and its process tree's RSS sampled every 0.2 s).
 Prints the resolved settings side by side, one row per run, the timing breakdown and ours/TRL ratios, and
-writes bench/metrics/vs_trl.json: the algorithms run replace their entries, the other's are kept, each with its
-date and CPU flags (compare commits with `dvc metrics diff --targets bench/metrics -R`).
+writes bench/metrics/vs_trl[_<label>].json: the algorithms run replace their entries, the other's are kept, each
+with its date and CPU flags (compare commits with `dvc metrics diff --targets bench/metrics -R`).
 
 Identical on both sides: the SFT policy folder and tokenizer, the proxy RM folder, the exact prompt list and
 order our loop consumes (TRL's samplers run sequentially over it), prompts per step, k, max new tokens,
@@ -308,6 +308,7 @@ def parse_args():
         default="ours,ours_async,trl",
         help="trl and at least one of ours, ours_async; trl_tempered adds TRL's online DPO with our tempered log-probs",
     )
+    ap.add_argument("--label", default="", help="write bench/metrics/vs_trl_<label>.json (a run under other settings)")
     ap.add_argument("--ours", choices=["online_dpo", "rloo"], help=argparse.SUPPRESS)  # child mode
     ap.add_argument("--engine", default="hf", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -391,7 +392,7 @@ def main() -> None:
             metrics.update(compare(algo, runs, mine, args.repeats))
             if algo in TEMPERED_ALGOS and any(r["side"] == "trl_tempered" for r in runs):
                 metrics.update(compare(algo, runs, mine, args.repeats, theirs="trl_tempered"))
-    path = ROOT / "bench" / "metrics" / "vs_trl.json"
+    path = ROOT / "bench" / "metrics" / f"vs_trl{'_' + args.label if args.label else ''}.json"
     write_json(path, merged(path, metrics, args.algos))
     print(f"wrote {path} (TRL {TRL_VERSION})")
 
