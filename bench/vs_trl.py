@@ -156,7 +156,7 @@ def final_measures(folder: Path, sft, cfg, tokenizer, reward_fn, prompts: list[l
     from rlhf.algorithms.common import apply_missing_eos_penalty
     from rlhf.generation.base import SamplingParams
     from rlhf.generation.sampling import sample
-    from rlhf.models.forward import response_logprobs
+    from rlhf.models.forward import sequence_kl
     from rlhf.models.loading import load_causal_lm
 
     c = cfg.train
@@ -173,9 +173,7 @@ def final_measures(folder: Path, sft, cfg, tokenizer, reward_fn, prompts: list[l
         rewards += scores.view(-1, k).mean(dim=1).tolist()  # samples are prompt-major (assemble)
         eos += b.has_eos.tolist()
         if sft is not None:
-            inputs = (b.sequences, b.attn, b.positions, b.context, c.temperature)
-            kl = (response_logprobs(policy, *inputs) - response_logprobs(sft, *inputs)) * b.response_mask
-            kls += kl.sum(1).view(-1, k).mean(dim=1).tolist()
+            kls += sequence_kl(policy, sft, b, c.temperature).view(-1, k).mean(dim=1).tolist()
     return {"prompt_rewards": rewards, "prompt_kls": kls, "final_eos_rate": sum(eos) / len(eos)}
 
 

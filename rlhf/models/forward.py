@@ -51,6 +51,16 @@ def reference_logprobs(model: nn.Module, inputs: ModelInput, temperature: float,
     return torch.cat(logps) * inputs.response_mask
 
 
+def sequence_kl(
+    policy: nn.Module, reference: nn.Module, batch: ModelInput, temperature: float, rows: slice = slice(None)
+) -> torch.Tensor:
+    """KL(policy || reference) of each sampled sequence of the batch's `rows`, estimated on the sample itself: its
+    response tokens' log pi(y) - log pi_ref(y), both at `temperature`, summed; (n,). The evaluate stage's KL."""
+    inputs = (batch.sequences[rows], batch.attn[rows], batch.positions[rows], batch.context, temperature)
+    diff = response_logprobs(policy, *inputs) - response_logprobs(reference, *inputs)
+    return (diff * batch.response_mask[rows]).sum(1)
+
+
 def response_logprobs_and_values(
     wrapper: nn.Module,
     sequences: torch.Tensor,

@@ -30,7 +30,7 @@ from rlhf.config import Config, profile_note
 from rlhf.generation.base import SamplingParams
 from rlhf.generation.sampling import sample, stage_engine
 from rlhf.io import atomic_dir, write_json, write_text
-from rlhf.models.forward import response_logprobs
+from rlhf.models.forward import sequence_kl
 from rlhf.rewards.proxy import ProxyReward
 from rlhf.stages.generate import models, processes
 from rlhf.tracking import log_results
@@ -55,11 +55,8 @@ def kl_and_scores(
     )
     for s in batches:
         b = s.batch
-        first = slice(None, None, k)  # each prompt's first sample
-        inputs = (b.sequences[first], b.attn[first], b.positions[first], b.context, cfg.train.temperature)
-        if sft is not None:
-            kl = (response_logprobs(policy, *inputs) - response_logprobs(sft, *inputs)) * b.response_mask[first]
-            kls.append(kl.sum(1))
+        if sft is not None:  # on each prompt's first sample
+            kls.append(sequence_kl(policy, sft, b, cfg.train.temperature, slice(None, None, k)))
         proxies.append(s.scores)
     return (torch.cat(kls).cpu().numpy() if kls else np.zeros(0)), torch.cat(proxies).cpu().numpy()
 
