@@ -7,7 +7,9 @@ Checks, in order (later ones use what earlier ones wrote):
      with configs/zero{2,3}.yaml on the one GPU (DeepSpeed's wheel is built here and carried);
   d. a random-initialised ~1B Llama (hidden 2048, 16 layers, 32 heads, vocab 32000): bf16-autocast AdamW steps
      (fp32 master weights) at 8 x 512 tokens, without and with gradient checkpointing; and one host-memory weight
-     sync of its state dict (GPU -> the project's SharedWeights -> GPU) against a device-to-device copy.
+     sync of its state dict (GPU -> the project's SharedWeights -> GPU) against a device-to-device copy;
+  e. the `ci` pipeline again at Pythia-1B's shape (GPT-NeoX, ~0.82B with a 4k vocabulary) in a data_dir of its own:
+     every stage, PPO (policy, value model, reference, RM) and online DPO with bf16 and gradient checkpointing.
 One line per check: ok/FAIL, seconds, the peak memory of its process (torch.cuda.max_memory_allocated; on the CPU
 the peak RSS), key figures. The full log (gpu_check.log) and the figures (gpu_check.json) go to --out.
 `--cpu-dry-run` runs the same logic on the CPU at tiny sizes (tests/test_gpu_scripts.py runs part of it).
@@ -47,6 +49,17 @@ LAUNCHED = (("ppo", "zero2", ("train.mixed_precision=bf16",)), ("online_dpo", "z
 # d.: ~1.0B parameters (TinyLlama's shape with a 32k vocabulary) / a 2-layer 64-wide one for the dry run
 LLAMA_1B = dict(hidden=2048, layers=16, heads=32, vocab=32000, intermediate=5632, batch=8, seq=512, steps=8)
 LLAMA_TINY = dict(hidden=64, layers=2, heads=2, vocab=512, intermediate=128, batch=2, seq=32, steps=2)
+# e.: the `ci` pipeline at Pythia-1B's shape (GPT-NeoX, 16 x 2048, 8 heads, MLP 8192; a 4k word vocabulary, not
+# Pythia's 50k: ~0.82B parameters), its trainers as a GPU user would run them; the dry run keeps ci's shape
+PYTHIA_1B = (
+    "model.architecture=gpt_neox",
+    "model.hidden_size=2048",
+    "model.num_layers=16",
+    "model.num_heads=8",
+    "model.intermediate_size=8192",
+    "model.vocab_size=4096",
+)
+PYTHIA_TRAINERS = ("ppo", "online_dpo")
 
 
 @dataclass
@@ -71,7 +84,17 @@ def plan(data: Path, dry_run: bool) -> list[Check]:
     out.append(Check("llama-1b step", "llama_step", {**shape, "ckpt": False}, 150.0))
     out.append(Check("llama-1b step grad-ckpt", "llama_step", {**shape, "ckpt": True}, 150.0))
     out.append(Check("llama-1b weight sync", "weight_sync", {**shape, "repeats": 3}, 150.0))
-    return out
+    return out + pythia_plan(data.with_name("pythia"), dry_run)
+
+
+def pythia_plan(data: Path, dry_run: bool) -> list[Check]:
+    """e.: every stage at Pythia-1B's shape in a data_dir of its own; the trainers with bf16 and checkpointing."""
+    common = [f"data_dir={data}", "tracking.wandb_mode=disabled", *TRAINER_SETTINGS[:2]]
+    common += ["model.architecture=gpt_neox"] if dry_run else list(PYTHIA_1B)
+    check = lambda name, cli: Check(f"pythia-1b {name}", "stage", {"cli": [*cli, *common]}, 150.0)  # noqa: E731
+    trainers = [check(f"train {t}", ["train", "--trainer", t]) for t in PYTHIA_TRAINERS]
+    before, after = STAGES[: STAGES.index("train")], STAGES[STAGES.index("train") + 1 :]
+    return [check(s, [s]) for s in before] + trainers + [check(s, [s]) for s in after]
 
 
 # --- the parent: runs each check in a child, prints its line, keeps the log and the figures ---------------------

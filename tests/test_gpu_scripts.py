@@ -14,6 +14,7 @@ from pathlib import Path
 import gpu_smoke
 import psutil
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -26,9 +27,30 @@ def test_gpu_check_plans_the_ci_stages_three_trainers_and_the_llama_checks(tmp_p
     names = [c.name for c in gpu_check.plan(tmp_path, dry_run=False)]
     assert names[:7] == [f"stage {s}" for s in gpu_check.STAGES]
     trainers = [f"train {t} bf16+ckpt+lora" for t in ("ppo", "rloo", "online_dpo")]
-    assert names[7:] == [*trainers, "launch ppo zero2", "launch online_dpo zero3", *DRY_RUN[1:]]
-    big = gpu_check.plan(tmp_path, dry_run=False)[-1].args
+    assert names[7:15] == [*trainers, "launch ppo zero2", "launch online_dpo zero3", *DRY_RUN[1:]]
+    big = gpu_check.plan(tmp_path, dry_run=False)[14].args
     assert (big["hidden"], big["layers"], big["heads"], big["vocab"]) == (2048, 16, 32, 32000)
+    pythia = [f"pythia-1b {s}" for s in ("prepare", "gold", "sft", "reward", "train ppo", "train online_dpo")]
+    assert names[15:] == [*pythia, "pythia-1b generate", "pythia-1b evaluate"]
+
+
+def test_gpu_check_pythia_stages_share_one_valid_setting_at_pythia_1bs_shape(tmp_path):
+    """Every stage of check e. gets the same settings (else a later stage refuses the earlier one's output), they
+    validate, and the model they build is Pythia-1B's shape: ~0.82B parameters with the 4k vocabulary."""
+    from rlhf.config.loader import load_config
+    from rlhf.models import tiny
+
+    checks = [c for c in gpu_check.plan(tmp_path, dry_run=False) if c.name.startswith("pythia-1b")]
+    settings = {tuple(a for a in c.args["cli"] if "=" in a) for c in checks}
+    assert len(settings) == 1 and next(iter(settings))[0] == f"data_dir={tmp_path.with_name('pythia')}"
+    cfg = load_config(ROOT / "params.yaml", "ci", list(next(iter(settings))))
+    assert cfg.train.mixed_precision == "bf16" and cfg.train.gradient_checkpointing
+    tok = tiny.train_word_tokenizer(["a b c"], vocab_size=64)
+    tok.add_tokens([f"w{i}" for i in range(cfg.model.vocab_size - len(tok))])  # the full 4k vocabulary
+    with torch.device("meta"):
+        model = tiny.build_tiny_model(cfg.model, tok, seed=0)
+    assert model.config.model_type == "gpt_neox" and model.config.hidden_size // model.config.num_attention_heads == 256
+    assert 0.81e9 < tiny.count_parameters(model) < 0.83e9
 
 
 def test_gpu_check_dry_run_prints_a_line_and_figures_per_check(ci_data, tmp_path):
