@@ -60,6 +60,7 @@ PYTHIA_1B = (
     "model.vocab_size=4096",
 )
 PYTHIA_TRAINERS = ("ppo", "online_dpo")
+PYTHIA_EPISODES = 64  # 16 updates of 4 prompts: steady-state step times (ci's 16 episodes are 2 updates)
 
 
 @dataclass
@@ -90,7 +91,7 @@ def plan(data: Path, dry_run: bool) -> list[Check]:
 def pythia_plan(data: Path, dry_run: bool) -> list[Check]:
     """e.: every stage at Pythia-1B's shape in a data_dir of its own; the trainers with bf16 and checkpointing."""
     common = [f"data_dir={data}", "tracking.wandb_mode=disabled", *TRAINER_SETTINGS[:2]]
-    common += ["model.architecture=gpt_neox"] if dry_run else list(PYTHIA_1B)
+    common += ["model.architecture=gpt_neox"] if dry_run else [*PYTHIA_1B, f"train.total_episodes={PYTHIA_EPISODES}"]
     check = lambda name, cli: Check(f"pythia-1b {name}", "stage", {"cli": [*cli, *common]}, 150.0)  # noqa: E731
     trainers = [check(f"train {t}", ["train", "--trainer", t]) for t in PYTHIA_TRAINERS]
     before, after = STAGES[: STAGES.index("train")], STAGES[STAGES.index("train") + 1 :]
@@ -297,15 +298,19 @@ def launch(device, zero: str, cli: list[str]) -> dict:
 
 
 def stage_figures(data: Path, name: str) -> dict:
-    """A stage's key figures: the train stage's mean timing/step, timing/weight_sync and eps and its last
-    objective/scores (rlhf.tracking.logged_rows); other stages' first four numbers of their metrics/<stage>.json."""
-    if name == "train":
+    """A stage's key figures: the train stage's number of updates, its first step's seconds, the mean of every other
+    timing/* column and eps, its last objective/scores (rlhf.tracking.logged_rows); other stages' first four numbers
+    of their metrics/<stage>.json."""
+    if name == "train":  # the first update pays CUDA's warm-up: the others' means, where there are others
         from rlhf.tracking import logged_rows
 
         rows = logged_rows(data)
-        mean = lambda k: sum(float(r[k]) for r in rows) / len(rows)  # noqa: E731
-        keys = ("timing/step", "timing/weight_sync", "eps")
-        return {**{k: round(mean(k), 4) for k in keys if k in rows[0]}, "scores": float(rows[-1]["objective/scores"])}
+        steady = rows[1:] or rows
+        mean = lambda k: sum(float(r[k]) for r in steady) / len(steady)  # noqa: E731
+        keys = [k for k in rows[0] if k.startswith("timing/") and k != "timing/elapsed"] + ["eps"]
+        figures = {"updates": len(rows), "first_step": round(float(rows[0]["timing/step"]), 3)}
+        figures |= {k.removeprefix("timing/"): round(mean(k), 4) for k in keys}
+        return {**figures, "scores": float(rows[-1]["objective/scores"])}
     path = data / "metrics" / f"{'eval' if name == 'evaluate' else name}.json"
     if not path.exists():  # generate writes generations, no metrics
         return {}

@@ -63,7 +63,7 @@ def test_gpu_check_dry_run_prints_a_line_and_figures_per_check(ci_data, tmp_path
     checks = {c["name"]: c for c in json.loads((out / "gpu_check.json").read_text())["checks"]}
     assert all(c["ok"] and c["peak_gib"] > 0 and c["peak_kind"] == "rss" for c in checks.values())
     train = checks["train ppo bf16+ckpt+lora"]["figures"]
-    assert train["timing/step"] > 0 and train["eps"] > 0 and "timing/weight_sync" in train
+    assert train["step"] > 0 and train["eps"] > 0 and train["updates"] == 2 and "weight_sync" in train
     for name in DRY_RUN[1:3]:
         step = checks[name]["figures"]
         assert step["tokens_per_s"] > 0 and step["batch_x_seq"] == "2x32" and 0.05 < step["params_m"] < 0.2
