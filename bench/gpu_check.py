@@ -1,4 +1,6 @@
-"""`make gpu-check`: what one lent H100 can tell us in under 8 minutes, each check in a process of its own.
+"""`make gpu-check`: what one lent GPU can tell us, each check in a process of its own. a.-d. take ~6 minutes and e.
+~4 (H100/H200): within a 10-minute device call, run them as two calls, `--only stage,train,launch,llama-1b` and
+`--only pythia-1b`.
 
 Checks, in order (later ones use what earlier ones wrote):
   a. the `ci` stages end to end on CUDA with the HF engine (prepare, gold, sft, reward, train, generate, evaluate);
@@ -20,7 +22,7 @@ wheels its image lacks travel in .whl/ (`make gpu-wheels`, bench/gpu_wheels.txt)
 
   command: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
            .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 &&
-           timeout 560 python3 bench/gpu_check.py --out $OUT
+           timeout 560 python3 bench/gpu_check.py --out $OUT --only pythia-1b
   carry: [".whl"]    timeout_s: 600
 
 Here: `make gpu-check` (a CUDA box with the venv), or `.venv/bin/python bench/gpu_check.py --cpu-dry-run`.
@@ -60,7 +62,7 @@ PYTHIA_1B = (
     "model.vocab_size=4096",
 )
 PYTHIA_TRAINERS = ("ppo", "online_dpo")
-PYTHIA_EPISODES = 64  # 16 updates of 4 prompts: steady-state step times (ci's 16 episodes are 2 updates)
+PYTHIA_EPISODES = 64  # 8 updates of 8 prompts: steady-state step times (ci's 16 episodes are 2 updates)
 
 
 @dataclass
@@ -96,6 +98,15 @@ def pythia_plan(data: Path, dry_run: bool) -> list[Check]:
     trainers = [check(f"train {t}", ["train", "--trainer", t]) for t in PYTHIA_TRAINERS]
     before, after = STAGES[: STAGES.index("train")], STAGES[STAGES.index("train") + 1 :]
     return [check(s, [s]) for s in before] + trainers + [check(s, [s]) for s in after]
+
+
+def select(checks: list[Check], only: str) -> tuple[list[Check], list[str]]:
+    """The checks `--only` names, in plan order: a full name or its first words ("pythia-1b", "stage"); and the
+    names that pick none."""
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    picks = lambda c, n: c.name == n or c.name.startswith(n + " ")  # noqa: E731
+    unknown = [n for n in names if not any(picks(c, n) for c in checks)]
+    return [c for c in checks if any(picks(c, n) for n in names)], unknown
 
 
 # --- the parent: runs each check in a child, prints its line, keeps the log and the figures ---------------------
@@ -179,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / ".cache" / "gpu-check"), help="folder for the log and the JSON")
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same checks on the CPU at tiny sizes")
     ap.add_argument("--data", help="an existing ci data_dir to use (copied) instead of a fresh one")
-    ap.add_argument("--only", help="comma-separated check names to run (default: all)")
+    ap.add_argument(
+        "--only", help="comma-separated check names or their first words, e.g. 'stage,pythia-1b' (default: all)"
+    )
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--args", help=argparse.SUPPRESS)
@@ -202,11 +215,10 @@ def parent_main(args) -> int:
         shutil.copytree(args.data, data)
     checks = plan(data, args.cpu_dry_run)
     if args.only:
-        chosen = {n.strip() for n in args.only.split(",")}
-        if unknown := sorted(chosen - {c.name for c in checks}):
-            print(f"gpu-check: --only: unknown check(s) {unknown}; choose among {[c.name for c in checks]}")
+        checks, unknown = select(checks, args.only)
+        if unknown:
+            print(f"gpu-check: --only: unknown check(s) {unknown}; choose among {[c.name for c in plan(data, False)]}")
             return 2
-        checks = [c for c in checks if c.name in chosen]
     print(f"gpu-check: {env_info['device']}, CUDA {env_info['cuda']}; {env_info['versions']}", flush=True)
     results = []
     with (out / "gpu_check.log").open("w") as log:
@@ -356,11 +368,13 @@ def llama_step(device, ckpt: bool, batch: int, seq: int, steps: int, **shape) ->
     """AdamW steps of a bf16-autocast forward and backward over batch x seq random tokens (fp32 master weights)."""
     import torch
 
+    from rlhf.runtime import adamw
+
     model = _llama(device, seq=seq, **shape)
     if ckpt:
         model.gradient_checkpointing_enable()
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    opt = adamw(model.parameters(), device, lr=1e-5)
     ids = torch.randint(shape["vocab"], (batch, seq), device=device)
     losses = []
 

@@ -151,6 +151,16 @@ def device():
     return PartialState().device
 
 
+def adamw(params, device, **hyper):
+    """torch's AdamW for parameters trained on `device`. On a GPU its fused kernel: the default multi-tensor path
+    allocates float32 temporaries the size of the weights at every step (4 bytes per parameter at the peak: measured
+    on an H200, 2026-11-28, docs/gpu.md) and launches several kernels per tensor group. On the CPU the default path,
+    which the recorded CPU results were made with."""
+    import torch
+
+    return torch.optim.AdamW(params, fused=True if torch.device(device).type == "cuda" else None, **hyper)
+
+
 def visible_gpus(gpus: list[int], parent: str | None = None) -> str:
     """CUDA_VISIBLE_DEVICES for a child process that must see exactly `gpus` of this process's GPUs, numbered as this
     process numbers them (cuda:i is the i-th entry of its own CUDA_VISIBLE_DEVICES), in that order. A bare index

@@ -5,6 +5,7 @@ properties, vLLM on CUDA), a stand-in named as such takes its place; everything 
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -338,3 +339,75 @@ def test_memory_cuda_refuses_to_lock_stays_pageable_with_one_line_and_the_copy_i
     del copy
     gc.collect()
     assert cudart.unregistered == []  # nothing was registered
+
+
+# --- what a GPU step costs: the phase timers and the optimizer --------------------------------------------------
+
+
+def test_the_loops_clock_waits_for_the_gpu_before_each_reading(monkeypatch):
+    """Kernels run asynchronously: a phase's time is only its own if the clock waits for the device first. The
+    stand-in for torch.cuda.synchronize (no GPU here) takes 50 ms, as queued kernels would."""
+    from rlhf.trainers.loop import Clock
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: (waited.append(d), time.sleep(0.05)))
+    clock = Clock(torch.device("cuda", 1))
+    clock.mark("scoring")
+    assert waited == [torch.device("cuda", 1)] * 2  # once before the iteration's start, once per mark
+    assert clock.seconds["scoring"] >= 0.05  # the wait is inside the phase it belongs to
+
+    def no_gpu(d=None):
+        raise AssertionError("a CPU run must not touch CUDA")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", no_gpu)
+    for device in (torch.device("cpu"), torch.device("meta"), None):
+        Clock(device).mark("x")
+
+
+def test_adamw_is_fused_on_a_gpu_and_the_default_on_the_cpu():
+    """The fused kernel spares the 4 bytes per parameter the default path allocates at every step (docs/gpu.md); on
+    the CPU the default path is kept, bit for bit. torch.device("cuda") is only a name here: no GPU is touched."""
+    from rlhf.runtime import adamw
+
+    torch.manual_seed(0)
+    weights = [torch.randn(8, 4) for _ in range(3)]
+    grads = [torch.randn_like(w) for w in weights]
+    runs = {}
+    for name, device in (("cpu", "cpu"), ("cuda", torch.device("cuda", 0))):
+        params = [w.clone().requires_grad_() for w in weights]
+        opt = adamw(params, device, lr=0.1, weight_decay=0.0)
+        assert bool(opt.defaults["fused"]) == (name == "cuda")
+        for _ in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        runs[name] = params
+    reference = [w.clone().requires_grad_() for w in weights]
+    plain = torch.optim.AdamW(reference, lr=0.1, weight_decay=0.0)
+    for _ in range(3):
+        for p, g in zip(reference, grads):
+            p.grad = g.clone()
+        plain.step()
+    assert all(torch.equal(a, b) for a, b in zip(runs["cpu"], reference))  # the CPU's results are unchanged
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(runs["cuda"], reference))  # the same update
+
+
+def test_the_trainers_optimizer_is_fused_on_the_training_device(tmp_path):
+    from rlhf.config.loader import load_config
+    from rlhf.trainers.setup import Sizes, _setup_optimization
+
+    cfg = load_config(profile="ci")
+    model = torch.nn.Linear(4, 4)
+    for device, fused in ((torch.device("cuda", 0), True), (torch.device("cpu"), False)):
+        optimizer, _ = _setup_optimization(cfg.train, model, Sizes.derive(cfg.train, 1), device)
+        assert bool(optimizer.defaults["fused"]) == fused
+
+
+def test_every_adamw_goes_through_the_one_that_knows_the_device():
+    """A stage or bench that builds torch's AdamW itself would miss the GPU's fused kernel."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    sources = [*root.glob("rlhf/**/*.py"), *root.glob("bench/*.py"), *root.glob("flows/*.py"), *root.glob("tasks/*.py")]
+    direct = [str(p.relative_to(root)) for p in sources if "optim.AdamW(" in p.read_text()]
+    assert direct == ["rlhf/runtime.py"]

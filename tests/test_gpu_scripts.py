@@ -34,6 +34,14 @@ def test_gpu_check_plans_the_ci_stages_three_trainers_and_the_llama_checks(tmp_p
     assert names[15:] == [*pythia, "pythia-1b generate", "pythia-1b evaluate"]
 
 
+def test_gpu_check_only_takes_names_or_their_first_words(tmp_path):
+    checks = gpu_check.plan(tmp_path, dry_run=True)
+    picked, unknown = gpu_check.select(checks, "pythia-1b, llama-1b weight sync,nosuch,pythia")
+    assert [c.name for c in picked][0] == "llama-1b weight sync" and unknown == ["nosuch", "pythia"]
+    assert [c.name for c in picked][1:] == [c.name for c in checks if c.name.startswith("pythia-1b ")]
+    assert len(gpu_check.select(checks, "stage,train,launch,llama-1b")[0]) == 15
+
+
 def test_gpu_check_pythia_stages_share_one_valid_setting_at_pythia_1bs_shape(tmp_path):
     """Every stage of check e. gets the same settings (else a later stage refuses the earlier one's output), they
     validate, and the model they build is Pythia-1B's shape: ~0.82B parameters with the 4k vocabulary."""

@@ -101,7 +101,7 @@ def train_reward_model(cfg: Config, model, tokenizer, train_df: pd.DataFrame, de
     rc = cfg.reward
     steps_per_epoch = math.ceil(len(train_df) / rc.batch_size)
     total = max(1, int(steps_per_epoch * rc.epochs))
-    opt = torch.optim.AdamW(model.parameters(), lr=rc.learning_rate, weight_decay=0.0)
+    opt = runtime.adamw(model.parameters(), device, lr=rc.learning_rate, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / total)
     gen = torch.Generator().manual_seed(cfg.seed)
     model.train()

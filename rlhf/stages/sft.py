@@ -273,7 +273,7 @@ def train_causal_lm(
     batches = batch_order(len(seqs), sft.batch_size, sft.epochs, seed)
     warmup = round(sft.warmup_ratio * len(batches))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=sft.learning_rate, betas=ADAM_BETAS, weight_decay=0.0)
+    optimizer = runtime.adamw(params, device, lr=sft.learning_rate, betas=ADAM_BETAS, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, len(batches), warmup))
     losses: list[float] = []
     model.train()

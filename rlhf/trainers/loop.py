@@ -57,7 +57,7 @@ def train(cfg: Config, started: EarlyStart | None = None) -> dict:
             disable=not run.acc.is_main_process,
         )
         for t in bar:
-            clock = Clock()
+            clock = Clock(run.acc.device)
             # 1-6. prompts, completions, post-processing, scores, reference log-probs, the objective's view
             collected = collect(run, t, clock)
             # 7. M mini-batches x E epochs of updates
@@ -86,13 +86,21 @@ def train(cfg: Config, started: EarlyStart | None = None) -> dict:
 
 
 class Clock:
-    """Seconds between marks within one iteration: mark("x") records the time since the previous mark as x."""
+    """Seconds between marks within one iteration: mark("x") records the time since the previous mark as x.
 
-    def __init__(self):
+    On a GPU each mark first waits for the device's queued work: kernels run asynchronously, so without it a phase's
+    GPU time lands in whichever later phase next reads a result back (a few synchronisations per iteration, each
+    after work the next phase needs anyway)."""
+
+    def __init__(self, device: torch.device | None = None):
+        cuda = device is not None and device.type == "cuda"
+        self._wait = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+        self._wait()
         self.start = self.last = time.perf_counter()
         self.seconds: dict[str, float] = {}
 
     def mark(self, name: str) -> None:
+        self._wait()
         now = time.perf_counter()
         self.seconds[name], self.last = now - self.last, now
 

@@ -31,7 +31,7 @@ from rlhf.models.loading import encode_prompts, load_tokenizer
 from rlhf.models.lora import AdaptersOff, add_adapters
 from rlhf.presets import resolve
 from rlhf.rewards.proxy import GoldReward, RewardSpec, RuleReward
-from rlhf.runtime import env_int
+from rlhf.runtime import adamw, env_int
 from rlhf.trainers.early import EarlyStart, engine_placement, holds_own_process
 from rlhf.trainers.objectives import OBJECTIVES, Objective
 
@@ -123,7 +123,7 @@ def setup(cfg: Config, started: EarlyStart | None = None) -> Run:
         sizes = Sizes.derive(c, acc.num_processes)
         set_seed(cfg.rl_seed + acc.process_index)
         model = PolicyAndValueWrapper(policy, value) if objective.needs_values else policy
-        optimizer, scheduler = _setup_optimization(c, model, sizes)
+        optimizer, scheduler = _setup_optimization(c, model, sizes, acc.device)
         model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
         ref = ref if ref is None or isinstance(ref, AdaptersOff) else _place_frozen(ref, acc)
         reward_fn = reward_fn.placed(lambda m: _place_frozen(m, acc), acc.device) if reward_fn is not None else None
@@ -306,9 +306,9 @@ def _setup_accelerator(c: TrainConfig) -> Accelerator:
     return acc
 
 
-def _setup_optimization(c: TrainConfig, model: nn.Module, sizes: Sizes):
+def _setup_optimization(c: TrainConfig, model: nn.Module, sizes: Sizes, device: torch.device):
     trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA the adapters only
-    optimizer = torch.optim.AdamW(trainable, lr=c.learning_rate, eps=1e-8, weight_decay=0.0)
+    optimizer = adamw(trainable, device, lr=c.learning_rate, eps=1e-8, weight_decay=0.0)
     warmup = int(c.warmup_ratio * sizes.num_updates)
     scheduler = get_scheduler(c.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=sizes.num_updates)
     return optimizer, scheduler
