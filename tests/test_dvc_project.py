@@ -50,3 +50,29 @@ def test_dvc_plots_show_draws_every_chart_offline_in_a_plain_clone(tmp_path):
     # the off-policy grid's committed table (make offpolicy): a panel per algorithm, a colour per N
     (grid,) = [c for c in charts if ">off-policy grid, win-rate vs KL per algorithm (make offpolicy)<" in c]
     assert all(f">{a}<" in grid for a in ("ppo", "rloo", "online_dpo", "bok")) and ">16<" in grid
+
+
+def test_each_stage_depends_on_all_the_code_it_runs():
+    """DVC reruns a stage when one of its deps changes, so every rlhf module the stage's module imports (transitively,
+    function-level imports included: grimp, import-linter's graph) must lie under one of its deps; else an edit there
+    (a default in rlhf/config, a device rule in rlhf/runtime.py) leaves the stage's outputs stale with `dvc status`
+    saying all is up to date. rlhf/cli.py only parses the command line and dispatches: not a dep."""
+    import importlib.util
+    from pathlib import Path
+
+    import grimp
+    import yaml
+
+    graph = grimp.build_graph("rlhf")
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    uncovered = {}
+    for name, stage in stages.items():
+        assert stage["cmd"] == f"exec rlhf {name}"  # the stage runs rlhf.stages.<name>
+        module = f"rlhf.stages.{name}"
+        code = {module} | {m for m in graph.find_upstream_modules(module) if m.startswith("rlhf.")}
+        files = {Path(importlib.util.find_spec(m).origin) for m in code}
+        deps = [ROOT / d for d in stage["deps"]]
+        missing = [f for f in files if not any(f == d or d in f.parents for d in deps)]
+        if missing:
+            uncovered[name] = sorted(str(f.relative_to(ROOT)) for f in missing)
+    assert not uncovered, f"dvc.yaml deps miss code their stage runs: {uncovered}"
