@@ -153,9 +153,8 @@ def device():
 
 def adamw(params, device, **hyper):
     """torch's AdamW for parameters trained on `device`. On a GPU its fused kernel: the default multi-tensor path
-    allocates float32 temporaries the size of the weights at every step (4 bytes per parameter at the peak: measured
-    on an H200, 2026-11-28, docs/gpu.md) and launches several kernels per tensor group. On the CPU the default path,
-    which the recorded CPU results were made with."""
+    allocates float32 temporaries the size of the weights at every step, 4 bytes per parameter at the peak
+    (docs/gpu.md, "Memory per GPU"). On the CPU the default path, which the recorded CPU results were made with."""
     import torch
 
     return torch.optim.AdamW(params, fused=True if torch.device(device).type == "cuda" else None, **hyper)
