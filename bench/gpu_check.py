@@ -11,7 +11,8 @@ Checks, in order (later ones use what earlier ones wrote):
      (fp32 master weights) at 8 x 512 tokens, without and with gradient checkpointing; and one host-memory weight
      sync of its state dict (GPU -> the project's SharedWeights -> GPU) against a device-to-device copy;
   e. the `ci` pipeline again at Pythia-1B's shape (GPT-NeoX, ~0.82B with a 4k vocabulary) in a data_dir of its own:
-     every stage, PPO (policy, value model, reference, RM) and online DPO with bf16 and gradient checkpointing.
+     every stage, PPO (policy, value model, reference, RM) and online DPO with bf16 and gradient checkpointing, and
+     PPO again under torch.profiler: the GPU's kernel time against the steps' wall time (GPU- or host-bound?).
 One line per check: ok/FAIL, seconds, the peak memory of its process (torch.cuda.max_memory_allocated; on the CPU
 the peak RSS), key figures. The full log (gpu_check.log) and the figures (gpu_check.json) go to --out.
 `--cpu-dry-run` runs the same logic on the CPU at tiny sizes (tests/test_gpu_scripts.py runs part of it).
@@ -94,11 +95,17 @@ def plan(data: Path, dry_run: bool) -> list[Check]:
 
 
 def pythia_plan(data: Path, dry_run: bool) -> list[Check]:
-    """e.: every stage at Pythia-1B's shape in a data_dir of its own; the trainers with bf16 and checkpointing."""
+    """e.: every stage at Pythia-1B's shape in a data_dir of its own; the trainers with bf16 and checkpointing, and
+    PPO once more under torch.profiler."""
     common = [f"data_dir={data}", "tracking.wandb_mode=disabled", *TRAINER_SETTINGS[:2]]
     common += ["model.architecture=gpt_neox"] if dry_run else [*PYTHIA_1B, f"train.total_episodes={PYTHIA_EPISODES}"]
-    check = lambda name, cli: Check(f"pythia-1b {name}", "stage", {"cli": [*cli, *common]}, 150.0)  # noqa: E731
+
+    def check(name: str, cli: list[str], func: str = "stage") -> Check:
+        return Check(f"pythia-1b {name}", func, {"cli": [*cli, *common]}, 150.0)
+
     trainers = [check(f"train {t}", ["train", "--trainer", t]) for t in PYTHIA_TRAINERS]
+    # generate and evaluate take the last one trained, which must be the default trainer's (online DPO)
+    trainers.insert(1, check("profile ppo", ["train", "--trainer", "ppo"], "profiled_stage"))
     before, after = STAGES[: STAGES.index("train")], STAGES[STAGES.index("train") + 1 :]
     return [check(s, [s]) for s in before] + trainers + [check(s, [s]) for s in after]
 
@@ -279,6 +286,33 @@ def stage(device, cli: list[str]) -> dict:
     return stage_figures(data, cli[0])
 
 
+def profiled_stage(device, cli: list[str]) -> dict:
+    """`stage` under torch.profiler: is a train step GPU-bound or host-bound? The device's kernel time against the
+    wall time of the steps (the profiler's overhead is the host's, so `busy` is a lower bound), the kernels per
+    update; the table of the busiest ops goes to the log. On the CPU (dry run): the ops' own CPU time instead."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlhf.tracking import logged_rows
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        figures = stage(device, cli)
+    ops = prof.key_averages()
+    print(ops.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25), flush=True)
+    data = Path(next(a for a in cli if a.startswith("data_dir=")).partition("=")[2])
+    steps_s = sum(float(r["timing/step"]) for r in logged_rows(data))
+    own_s = sum((o.self_device_time_total if cuda else o.self_cpu_time_total) for o in ops) / 1e6
+    kernels = sum(o.count for o in ops if o.device_type == DeviceType.CUDA)
+    return {
+        "updates": figures["updates"],
+        "steps_s": round(steps_s, 3),
+        "device_s" if cuda else "cpu_ops_s": round(own_s, 3),
+        "busy": round(own_s / steps_s, 3),  # includes the loading's copies: a little generous on a GPU
+        "kernels_per_update": round(kernels / figures["updates"]),
+    }
+
+
 def launch(device, zero: str, cli: list[str]) -> dict:
     """`accelerate launch --config_file configs/<zero>.yaml --num_processes 1 -m rlhf.cli ... <cli>` as a fresh
     process; the train figures, and the most GPU memory in use while it ran (nvidia-smi, every 0.5 s)."""
@@ -334,7 +368,13 @@ def stage_figures(data: Path, name: str) -> dict:
     return dict(list(numbers.items())[:4])
 
 
-CHILDREN = {"stage": stage, "launch": launch, "llama_step": llama_step, "weight_sync": weight_sync}
+CHILDREN = {
+    "stage": stage,
+    "profiled_stage": profiled_stage,
+    "launch": launch,
+    "llama_step": llama_step,
+    "weight_sync": weight_sync,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

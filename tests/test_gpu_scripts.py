@@ -30,8 +30,8 @@ def test_gpu_check_plans_the_ci_stages_three_trainers_and_the_llama_checks(tmp_p
     assert names[7:15] == [*trainers, "launch ppo zero2", "launch online_dpo zero3", *DRY_RUN[1:]]
     big = gpu_check.plan(tmp_path, dry_run=False)[14].args
     assert (big["hidden"], big["layers"], big["heads"], big["vocab"]) == (2048, 16, 32, 32000)
-    pythia = [f"pythia-1b {s}" for s in ("prepare", "gold", "sft", "reward", "train ppo", "train online_dpo")]
-    assert names[15:] == [*pythia, "pythia-1b generate", "pythia-1b evaluate"]
+    pythia = [f"pythia-1b {s}" for s in ("prepare", "gold", "sft", "reward", "train ppo", "profile ppo")]
+    assert names[15:] == [*pythia, "pythia-1b train online_dpo", "pythia-1b generate", "pythia-1b evaluate"]
 
 
 def test_gpu_check_only_takes_names_or_their_first_words(tmp_path):
@@ -144,3 +144,18 @@ def test_a_gpu_smoke_check_on_another_gpu_than_its_own_fails(tmp_path, monkeypat
     assert f"gpu{physical}+2000MiB" in tail
     if not ok:
         assert "wrong GPUs: used ['0'], expected ['1']" in tail
+
+
+def test_gpu_check_profiled_train_reports_the_ops_time_against_the_steps(ci_data, tmp_path):
+    """e.'s PPO under torch.profiler, run as gpu_check runs it (a child process), on the CPU with the ci data: the ops'
+    own time, the steps' wall time, their ratio, and the busiest ops' table in the log."""
+    result = tmp_path / "result.json"
+    cli = ["train", "--trainer", "ppo", f"data_dir={ci_data}", "tracking.wandb_mode=disabled"]
+    cmd = [sys.executable, "bench/gpu_check.py", "--child", "profiled_stage", "--result", str(result)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([*cmd, "--args", json.dumps({"cli": cli})], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    figures = json.loads(result.read_text())["figures"]
+    assert figures["updates"] == 2 and figures["kernels_per_update"] == 0  # no GPU, no kernels
+    assert 0 < figures["cpu_ops_s"] and 0 < figures["steps_s"] and figures["busy"] > 0
+    assert "Self CPU" in proc.stdout  # the table, for the log
