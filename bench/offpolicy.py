@@ -18,6 +18,13 @@ running `make offpolicy` again runs only the new points; `dvc exp show` lists th
 over its gain at N = 1, (win-rate - 0.5) / (win-rate - 0.5), on the final policies, seeds averaged. The paper's
 claim holds here if online DPO's retention is the highest of the four by more than the seeds' spread (the largest
 half-range of any one algorithm's retention over its seeds).
+
+A second rule, fixed on 2026-11-28 before seeds 3 and 4 ran (`--seeds 3,4`): seeds 1 and 2 showed the final policies
+past the point where the `tiny` judge's win-rate stops rising (a quarter of the budget), with N = 1 runs then
+over-optimising, so a final-policy retention measures that rather than robustness. The same retention is taken at
+the first kept policy (25% of the budget) and at the half (50%); the paper's claim holds on the new seeds if online
+DPO's retention is the highest at both, each by more than that fraction's seeds' spread. Seeds 1 and 2 suggested it;
+only seeds 3 and 4 test it.
 """
 
 from __future__ import annotations
@@ -47,17 +54,18 @@ PREFIX = "op"  # experiment names: op-<algorithm>-n<N>-s<seed>, op-async-<algori
 OUT = ROOT / "bench" / "metrics"
 
 
-def points() -> dict[str, list[str]]:
-    """Every point of the experiment: its name and its `-S` settings."""
+def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
+    """Every point of the experiment: its name and its `-S` settings (the staleness points with the first seed)."""
     out = {}
-    for algorithm, n, seed in itertools.product(ALGORITHMS, MINI_BATCHES, SEEDS):
+    for algorithm, n, seed in itertools.product(ALGORITHMS, MINI_BATCHES, seeds):
         settings = [f"train.trainer={algorithm}", f"train.num_mini_batches={n}", f"train.seed={seed}"]
         out[f"{PREFIX}-{algorithm}-n{n}-s{seed}"] = settings
     for algorithm, s in itertools.product(ASYNC_ALGORITHMS, STALENESS):
         settings = [f"train.trainer={algorithm}", "train.engine=vllm_async", f"train.max_staleness={s}"]
-        out[f"{PREFIX}-async-{algorithm}-S{s}-s1"] = [*settings, "train.seed=1"]
+        out[f"{PREFIX}-async-{algorithm}-S{s}-s{seeds[0]}"] = [*settings, f"train.seed={seeds[0]}"]
     stalest = ["train.trainer=rloo", "train.engine=vllm_async", f"train.max_staleness={max(STALENESS)}"]
-    out[f"{PREFIX}-async-rloo-S{max(STALENESS)}-tis-s1"] = [*stalest, f"train.tis_cap={TIS_CAP}", "train.seed=1"]
+    stalest += [f"train.tis_cap={TIS_CAP}", f"train.seed={seeds[0]}"]
+    out[f"{PREFIX}-async-rloo-S{max(STALENESS)}-tis-s{seeds[0]}"] = stalest
     return out
 
 
@@ -221,8 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("report", help="the table and the figures")
     for p in (listing, q, r):
         p.add_argument("--only", help="comma-separated point names (default: every point)")
+        p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="RL seeds of the grid (default: 1,2)")
     args = ap.parse_args(argv)
-    pts = points()
+    try:
+        seeds = tuple(int(x) for x in args.seeds.split(","))
+    except ValueError:
+        sys.exit(f"offpolicy: --seeds: comma-separated integers, got {args.seeds!r}")
+    pts = points(seeds)
     if args.only:
         chosen = [n.strip() for n in args.only.split(",")]
         if unknown := [n for n in chosen if n not in pts]:
