@@ -49,6 +49,7 @@ SEEDS = (1, 2)
 STALENESS = (1, 2, 4)  # S, the asynchronous engine's lookahead
 ASYNC_ALGORITHMS = ("online_dpo", "rloo")
 TIS_CAP = 2.0  # truncation of the per-sequence importance weight pi_learner / pi_engine (rlhf/trainers/loop.py)
+EARLY = (0.25, 0.5)  # the second rule's kept policies (fractions of the budget)
 MIN_GAIN = 0.02  # a win-rate vs SFT at N = 1 within this of 0.5 is no gain: its retention is undefined
 PREFIX = "op"  # experiment names: op-<algorithm>-n<N>-s<seed>, op-async-<algorithm>-S<S>[-tis]-s<seed>
 OUT = ROOT / "bench" / "metrics"
@@ -174,14 +175,13 @@ def tables(frame: pd.DataFrame) -> str:
             f"| {algorithm} | {n} | {g['win_rate_vs_sft'].mean():.3f} | {seeds} | {g['kl'].mean():.2f} | {start} |"
         )
     kept = retention(final).dropna()
-    by_algorithm = kept.groupby("algorithm")["retention"]
-    mean, spread = by_algorithm.mean(), (by_algorithm.max() - by_algorithm.min()).max() / 2
+    mean, spread = retained(kept)
     largest = sync["N"].max()
     lines += ["", f"| algorithm | retention N=1 -> N={largest} (mean) | per seed |", "|---|---|---|"]
     for algorithm, r in mean.sort_values(ascending=False).items():
         seeds = ", ".join(f"{x:.2f}" for x in kept[kept["algorithm"] == algorithm]["retention"])
         lines.append(f"| {algorithm} | {r:.2f} | {seeds} |")
-    lines += ["", verdict(mean, spread)]
+    lines += ["", verdict(mean, spread), "", *early_tables(frame)]
     stale = final[final["S"] > 0]
     if len(stale):
         lines += ["", "| asynchronous point | S | TIS cap | win-rate vs SFT | KL |", "|---|---|---|---|---|"]
@@ -189,6 +189,41 @@ def tables(frame: pd.DataFrame) -> str:
             cap = "-" if pd.isna(r["tis_cap"]) else f"{r['tis_cap']:g}"
             lines.append(f"| {r['point']} | {r['S']} | {cap} | {r['win_rate_vs_sft']:.3f} | {r['kl']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def retained(kept: pd.DataFrame) -> tuple[pd.Series, float]:
+    """Each algorithm's retention, seeds averaged, and the seeds' spread: the largest half-range of one algorithm's."""
+    by_algorithm = kept.groupby("algorithm")["retention"]
+    return by_algorithm.mean(), float((by_algorithm.max() - by_algorithm.min()).max() / 2)
+
+
+def early_tables(frame: pd.DataFrame) -> list[str]:
+    """The retention at every kept policy, and the second rule (module docstring) read at EARLY."""
+    sync = frame[(frame["S"] == 0) & (frame["fraction"] > 0)]
+    algorithms = list(dict.fromkeys(sync["algorithm"]))
+    lines = [f"| kept policy | {' | '.join(algorithms)} | most retained: margin, seeds' spread |"]
+    lines.append("|---" * (len(algorithms) + 2) + "|")
+    held = {}
+    for fraction in sorted(sync["fraction"].unique()):
+        mean, spread = retained(retention(sync[sync["fraction"] == fraction]).dropna())
+        if len(mean) < 2:
+            continue
+        best, runner_up = mean.sort_values(ascending=False).index[:2]
+        margin = mean[best] - mean[runner_up]
+        held[fraction] = best == "online_dpo" and margin > spread
+        cells = " | ".join(f"{mean[a]:.2f}" if a in mean else "-" for a in algorithms)
+        lines.append(f"| {fraction:.0%} | {cells} | {best}: {margin:.2f}, {spread:.2f} |")
+    if not all(f in held for f in EARLY):
+        return [*lines, "", "No verdict by the second rule: it needs the 25% and 50% kept policies."]
+    holds = all(held[f] for f in EARLY)
+    seeds = sorted(sync["seed"].unique())
+    tested = "" if set(seeds).isdisjoint(SEEDS) else " (seeds 1 and 2 suggested the rule: this is no test of it)"
+    return [
+        *lines,
+        "",
+        f"By the second rule (retention at 25% and 50%, fixed before seeds 3 and 4 ran) the paper's claim "
+        f"{'holds' if holds else 'does not hold'} on seeds {', '.join(map(str, seeds))}{tested}.",
+    ]
 
 
 def verdict(mean: pd.Series, spread: float) -> str:
@@ -204,19 +239,21 @@ def verdict(mean: pd.Series, spread: float) -> str:
     )
 
 
-def report(exps: dict[str, str], pts: dict[str, list[str]]) -> int:
-    """bench/metrics/offpolicy.csv (every kept policy), offpolicy.md (the tables), offpolicy.png (the figure)."""
+def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ...] = SEEDS) -> int:
+    """bench/metrics/offpolicy.csv (every kept policy), offpolicy.md (the tables), offpolicy.png (the figure); other
+    seeds than the default grid's write offpolicy_seeds<a>-<b>.* beside them."""
     from rlhf.report import offpolicy_png
 
     frame = frontier_rows(exps, pts)
     if frame.empty:
         sys.exit("offpolicy: no finished point yet: run `make offpolicy` (or `python bench/offpolicy.py queue`)")
     OUT.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(OUT / "offpolicy.csv", index=False)
+    stem = "offpolicy" if seeds == SEEDS else f"offpolicy_seeds{'-'.join(map(str, seeds))}"
+    frame.to_csv(OUT / f"{stem}.csv", index=False)
     text = tables(frame)
-    (OUT / "offpolicy.md").write_text(text)
-    (OUT / "offpolicy.png").write_bytes(offpolicy_png(frame))
-    print(text + f"offpolicy: {frame['point'].nunique()} of {len(pts)} points -> {OUT}/offpolicy.{{csv,md,png}}")
+    (OUT / f"{stem}.md").write_text(text)
+    (OUT / f"{stem}.png").write_bytes(offpolicy_png(frame))
+    print(text + f"offpolicy: {frame['point'].nunique()} of {len(pts)} points -> {OUT}/{stem}.{{csv,md,png}}")
     return 0
 
 
@@ -244,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print("\n".join(f"{n}: {' '.join(s)}" for n, s in pts.items()))
         return 0
-    return queue(pts, args.jobs) if args.command == "queue" else report(experiments(), pts)
+    return queue(pts, args.jobs) if args.command == "queue" else report(experiments(), pts, seeds)
 
 
 if __name__ == "__main__":

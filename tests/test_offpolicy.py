@@ -31,8 +31,8 @@ def test_every_point_is_a_valid_run_of_its_own_seed_and_the_grid_is_the_papers()
     assert (stalest.engine, stalest.max_staleness, stalest.tis_cap) == ("vllm_async", 4, offpolicy.TIS_CAP)
 
 
-def _final(rates: dict[tuple[str, int, int], float]) -> pd.DataFrame:
-    """Final kept policies with these win-rates, keyed (algorithm, N, seed)."""
+def _final(rates: dict[tuple[str, int, int], float], fraction: float = 1.0) -> pd.DataFrame:
+    """Kept policies (the final ones by default) with these win-rates, keyed (algorithm, N, seed)."""
     rows = [
         dict(
             point=f"{a}-{n}-{s}",
@@ -41,8 +41,8 @@ def _final(rates: dict[tuple[str, int, int], float]) -> pd.DataFrame:
             S=0,
             tis_cap=float("nan"),
             seed=s,
-            episode=64,
-            fraction=1.0,
+            episode=round(64 * fraction),
+            fraction=fraction,
             kl=1.0,
             win_rate_vs_sft=w,
         )
@@ -60,6 +60,24 @@ def test_the_verdict_is_the_rule_fixed_in_advance(dpo_at_16, verdict):
     text = offpolicy.tables(_final(rates))
     assert f"claim (online DPO the most robust) {verdict} by the rule" in text
     assert "| ppo | 16 | 0.600 | 0.590, 0.610 | 1.00 |" in text
+
+
+@pytest.mark.parametrize("seeds", [(3, 4), (1, 2)])
+@pytest.mark.parametrize("dpo_at_half, verdict", [(0.66, "holds"), (0.6, "does not hold")])
+def test_the_second_rule_reads_the_early_kept_policies_and_names_the_seeds(seeds, dpo_at_half, verdict):
+    # at 25% online DPO keeps 0.18 of 0.2, PPO 0.1; at 50% PPO keeps 0.14 (0.13, 0.15) and online DPO dpo_at_half - 0.5
+    early = {(a, 1, s): 0.7 for a in ("ppo", "online_dpo") for s in seeds}
+    quarter = early | {("ppo", 16, s): 0.6 for s in seeds} | {("online_dpo", 16, s): 0.68 for s in seeds}
+    half = early | {("ppo", 16, seeds[0]): 0.63, ("ppo", 16, seeds[1]): 0.65}
+    half |= {("online_dpo", 16, s): dpo_at_half for s in seeds}
+    frames = [_final(quarter, 0.25), _final(half, 0.5), _final(half, 1.0)]
+    text = offpolicy.tables(pd.concat(frames, ignore_index=True))
+    assert "| 25% | 0.50 | 0.90 | online_dpo: 0.40, 0.00 |" in text
+    sentence = f"the paper's claim {verdict} on seeds {seeds[0]}, {seeds[1]}"
+    assert (
+        sentence + (" (seeds 1 and 2 suggested the rule: this is no test of it)." if seeds == (1, 2) else ".") in text
+    )
+    assert "No verdict by the second rule" in offpolicy.tables(_final(half, 1.0))  # no early kept policies
 
 
 @pytest.mark.slow
