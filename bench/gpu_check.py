@@ -65,7 +65,6 @@ PYTHIA_1B = (
     "model.vocab_size=4096",
     "sft.learning_rate=3e-4",  # ci's 3e-3 suits a 100k-parameter model; at 0.82B: held-out loss 8.82 > ln 4096 (H200)
 )
-PYTHIA_TRAINERS = ("ppo", "online_dpo")
 PYTHIA_EPISODES = 64  # 8 updates of 8 prompts: steady-state step times (ci's 16 episodes are 2 updates)
 
 
@@ -103,9 +102,11 @@ def pythia_plan(data: Path, dry_run: bool) -> list[Check]:
     def check(name: str, cli: list[str], func: str = "stage") -> Check:
         return Check(f"pythia-1b {name}", func, {"cli": [*cli, *common]}, 150.0)
 
-    trainers = [check(f"train {t}", ["train", "--trainer", t]) for t in PYTHIA_TRAINERS]
-    # generate and evaluate take the last one trained, which must be the default trainer's (online DPO)
-    trainers.insert(1, check("profile ppo", ["train", "--trainer", "ppo"], "profiled_stage"))
+    trainers = [  # generate and evaluate take the last one trained, which must be the default trainer's (online DPO)
+        check("train ppo", ["train", "--trainer", "ppo"]),
+        check("profile ppo", ["train", "--trainer", "ppo"], "profiled_stage"),
+        check("train online_dpo", ["train", "--trainer", "online_dpo"]),
+    ]
     before, after = STAGES[: STAGES.index("train")], STAGES[STAGES.index("train") + 1 :]
     return [check(s, [s]) for s in before] + trainers + [check(s, [s]) for s in after]
 
@@ -275,6 +276,11 @@ def peak_memory(device) -> dict:
     return {"peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3), "peak_kind": "rss"}
 
 
+def data_dir(cli: list[str]) -> Path:
+    """The data_dir=<folder> a check's command line sets."""
+    return Path(next(a for a in cli if a.startswith("data_dir=")).partition("=")[2])
+
+
 def stage(device, cli: list[str]) -> dict:
     """`rlhf --profile ci <cli>` in this process; figures from the stage's metrics JSON (train: its csv)."""
     from rlhf.cli import main as rlhf_main
@@ -282,7 +288,7 @@ def stage(device, cli: list[str]) -> dict:
     code = rlhf_main(["--params", str(ROOT / "params.yaml"), "--profile", "ci", *cli])
     if code != 0:
         raise RuntimeError(f"rlhf {cli[0]} exited {code} (its error line is in the log)")
-    data = Path(next(a for a in cli if a.startswith("data_dir=")).partition("=")[2])
+    data = data_dir(cli)
     return stage_figures(data, cli[0])
 
 
@@ -300,7 +306,7 @@ def profiled_stage(device, cli: list[str]) -> dict:
         figures = stage(device, cli)
     ops = prof.key_averages()
     print(ops.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25), flush=True)
-    data = Path(next(a for a in cli if a.startswith("data_dir=")).partition("=")[2])
+    data = data_dir(cli)
     steps_s = sum(float(r["timing/step"]) for r in logged_rows(data))
     own_s = sum((o.self_device_time_total if cuda else o.self_cpu_time_total) for o in ops) / 1e6
     kernels = sum(o.count for o in ops if o.device_type == DeviceType.CUDA)
@@ -341,7 +347,7 @@ def launch(device, zero: str, cli: list[str]) -> dict:
         watcher.join()
     if code != 0:
         raise RuntimeError(f"accelerate launch ({zero}) exited {code} (its error line is in the log)")
-    data = Path(next(a for a in cli if a.startswith("data_dir=")).partition("=")[2])
+    data = data_dir(cli)
     peak = {"peak": {"peak_gib": round(max(used) / 1024, 3), "peak_kind": "nvidia-smi, whole GPU"}} if used else {}
     return {**stage_figures(data, "train"), **peak}
 

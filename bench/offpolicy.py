@@ -197,6 +197,12 @@ def retained(kept: pd.DataFrame) -> tuple[pd.Series, float]:
     return by_algorithm.mean(), float((by_algorithm.max() - by_algorithm.min()).max() / 2)
 
 
+def lead(mean: pd.Series) -> tuple[str, str, float]:
+    """The algorithm retaining the most, the next one, and the margin between them (two or more algorithms)."""
+    best, runner_up = mean.sort_values(ascending=False).index[:2]
+    return best, runner_up, float(mean[best] - mean[runner_up])
+
+
 def early_tables(frame: pd.DataFrame) -> list[str]:
     """The retention at every kept policy, and the second rule (module docstring) read at EARLY."""
     sync = frame[(frame["S"] == 0) & (frame["fraction"] > 0)]
@@ -208,8 +214,7 @@ def early_tables(frame: pd.DataFrame) -> list[str]:
         mean, spread = retained(retention(sync[sync["fraction"] == fraction]).dropna())
         if len(mean) < 2:
             continue
-        best, runner_up = mean.sort_values(ascending=False).index[:2]
-        margin = mean[best] - mean[runner_up]
+        best, runner_up, margin = lead(mean)
         held[fraction] = best == "online_dpo" and margin > spread
         cells = " | ".join(f"{mean[a]:.2f}" if a in mean else "-" for a in algorithms)
         lines.append(f"| {fraction:.0%} | {cells} | {best}: {margin:.2f}, {spread:.2f} |")
@@ -230,8 +235,7 @@ def verdict(mean: pd.Series, spread: float) -> str:
     """The rule fixed in advance (module docstring), applied to each algorithm's mean retention."""
     if len(mean) < 2:
         return "No verdict: it needs two or more algorithms run at N = 1 and at the largest N."
-    best, runner_up = mean.sort_values(ascending=False).index[:2]
-    margin = mean[best] - mean[runner_up]
+    best, runner_up, margin = lead(mean)
     holds = best == "online_dpo" and margin > spread
     return (
         f"Most robust here: {best} (ahead of {runner_up} by {margin:.2f}; the seeds' spread {spread:.2f}). "

@@ -4,6 +4,7 @@ properties, vLLM on CUDA), a stand-in named as such takes its place; everything 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from types import SimpleNamespace
@@ -372,27 +373,26 @@ def test_adamw_is_fused_on_a_gpu_and_the_default_on_the_cpu():
     torch.manual_seed(0)
     weights = [torch.randn(8, 4) for _ in range(3)]
     grads = [torch.randn_like(w) for w in weights]
-    runs = {}
-    for name, device in (("cpu", "cpu"), ("cuda", torch.device("cuda", 0))):
+
+    def three_steps(make_optimizer) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
         params = [w.clone().requires_grad_() for w in weights]
-        opt = adamw(params, device, lr=0.1, weight_decay=0.0)
-        assert bool(opt.defaults["fused"]) == (name == "cuda")
+        opt = make_optimizer(params)
         for _ in range(3):
             for p, g in zip(params, grads):
                 p.grad = g.clone()
             opt.step()
-        runs[name] = params
-    reference = [w.clone().requires_grad_() for w in weights]
-    plain = torch.optim.AdamW(reference, lr=0.1, weight_decay=0.0)
-    for _ in range(3):
-        for p, g in zip(reference, grads):
-            p.grad = g.clone()
-        plain.step()
+        return params, opt
+
+    runs = {}
+    for name, device in (("cpu", "cpu"), ("cuda", torch.device("cuda", 0))):
+        runs[name], opt = three_steps(functools.partial(adamw, device=device, lr=0.1, weight_decay=0.0))
+        assert bool(opt.defaults["fused"]) == (name == "cuda")
+    reference, _ = three_steps(functools.partial(torch.optim.AdamW, lr=0.1, weight_decay=0.0))
     assert all(torch.equal(a, b) for a, b in zip(runs["cpu"], reference))  # the CPU's results are unchanged
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(runs["cuda"], reference))  # the same update
 
 
-def test_the_trainers_optimizer_is_fused_on_the_training_device(tmp_path):
+def test_the_trainers_optimizer_is_fused_on_the_training_device():
     from rlhf.config.loader import load_config
     from rlhf.trainers.setup import Sizes, _setup_optimization
 
