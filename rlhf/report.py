@@ -331,8 +331,9 @@ def _read_csv(path) -> pd.DataFrame | None:
 
 
 def _format(value) -> str:
-    """Three significant digits for a float: what the metrics carry past that is noise."""
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
+    """Three significant digits for a float, trailing zeros kept (1.999 reads 2.00 beside 2.01, not 2): what the
+    metrics carry past that is noise."""
+    return f"{value:#.3g}".rstrip(".") if isinstance(value, float) else str(value)
 
 
 def _e(text: str) -> str:

@@ -21,7 +21,7 @@ EVAL = {
     "gold/win_rate_vs_sft": 0.7041015625,
     "kl/policy_sft_mean": 5.029486656188965,
     "n_prompts": 512,
-    "proxy/policy": 1.3815816640853882,
+    "proxy/policy": 1.9993816640853882,  # reads 2.00 (three digits), not 2 beside a neighbour's 2.01
 }
 # Training order (episode) is not KL order: the 50% policy drifted less than the 25% one.
 FRONTIER = pd.DataFrame(
@@ -78,6 +78,7 @@ def test_headline_table_has_a_header_row_units_meanings_and_three_digits(checkou
     assert "<tr><th>stage</th><th>metric</th><th>value</th><th>unit</th><th>meaning</th></tr>" in page
     row = "<tr><td>eval</td><td>gold win-rate vs SFT</td><td>0.704</td><td>share of eval prompts</td><td>"
     assert row in page and "<td>KL to SFT</td><td>5.03</td><td>nats/sequence</td>" in page
+    assert "<td>proxy reward, policy</td><td>2.00</td>" in page
     assert "0.7041" not in page
 
 
@@ -113,7 +114,7 @@ def test_prefect_headline_artifact_rows_are_rounded_with_meanings():
         "unit": "share of eval prompts",
         "meaning": "gold prefers the policy's answer to SFT's (0.5: even)",
     }
-    assert [r["value"] for r in rows[1:]] == ["0.712", "0.552", "5.03", "1.38", "512"]
+    assert [r["value"] for r in rows[1:]] == ["0.712", "0.552", "5.03", "2.00", "512"]
     assert all(r["meaning"] for r in rows)
     assert (_rounded("4.272078037261963"), _rounded("16"), _rounded("ppo")) == (4.27, 16, "ppo")
 
