@@ -86,6 +86,8 @@ def configure_environment() -> None:
     """The offline/quiet environment and the project-local caches, without importing torch."""
     for key, value in OFFLINE_ENV.items():
         os.environ.setdefault(key, value)
+    if os.environ["HF_HUB_OFFLINE"] == "1":  # nothing to download, so transformers' and the hub's bars (one per
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # model loaded) are noise; ours are plain tqdm
     if "RAY_ADDRESS" not in os.environ:  # no Ray cluster to join: a local one binds 127.0.0.1 only (ray_engines)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     for key, sub in CACHE_ENV.items():

@@ -169,6 +169,32 @@ def test_reward_model_from_causal_scalar_per_sequence(tmp_path, tiny_folder):
     torch.testing.assert_close(again(input_ids=ids, attention_mask=mask).logits[:, 0], scores)
 
 
+def test_a_reward_model_from_a_causal_lm_loads_without_a_warning_but_refuses_a_checkpoint_lacking_a_weight(
+    tmp_path, tiny_folder
+):
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warnings.append
+    log = logging.getLogger("transformers.modeling_utils")  # where transformers logs its LOAD REPORT table
+    log.addHandler(handler)
+    try:
+        loading.reward_model_from_causal(tiny_folder, seed=0)
+        assert [r.getMessage() for r in warnings] == []  # the new score head is the design: no "MISSING" table
+        broken = tmp_path / "broken"
+        shutil.copytree(tiny_folder, broken)
+        weights = load_file(broken / "model.safetensors")
+        del weights["model.norm.weight"]
+        save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=f"{broken}: .*lacks model.norm.weight"):
+            loading.reward_model_from_causal(broken, seed=0)
+    finally:
+        log.removeHandler(handler)
+
+
 def test_a_shallow_mean_pooled_reward_model_scores_the_response_mean_and_keeps_it_when_saved(tmp_path, tiny_folder):
     causal = loading.load_causal_lm(tiny_folder)
     rm = loading.reward_model_from_causal(tiny_folder, seed=0, num_layers=1, pooling="mean")

@@ -500,8 +500,9 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     note = by_key["rlhf-report"]["data"]
     copy = repo / ".cache" / "reports" / f"ppo-{run['name']}" / "index.html"
     assert f"]({copy.as_uri()})" in note and copy.is_file() and "dvc exp apply" not in note
-    # quiet logs: DVC's per-stage hints left out
+    # quiet logs: DVC's per-stage hints left out, and transformers' bar per model loaded (nothing is downloaded)
     assert not any("git add" in entry["message"] for entry in logs)
+    assert not any("Loading weights" in entry["message"] for entry in logs)
 
     # The DVC record: `dvc exp show` lists the run with its params and metrics.
     shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))

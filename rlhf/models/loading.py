@@ -8,6 +8,8 @@ A bad folder raises an error that names the folder or file.
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -260,16 +262,19 @@ def reward_model_from_causal(
     folder = _checked_model_folder(folder)
     tokenizer = load_tokenizer(folder)
     depth = {} if num_layers is None else {"num_hidden_layers": num_layers}
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _no_load_report():
         torch.manual_seed(seed)
-        model = _from_pretrained(
+        model, info = _from_pretrained(
             AutoModelForSequenceClassification,
             folder,
             dtype=dtype,
             num_labels=1,
             pad_token_id=tokenizer.pad_token_id,
+            output_loading_info=True,
             **depth,
         )
+    if missing := sorted(set(info["missing_keys"]) - {"score.weight"}):
+        raise ValueError(f"{folder}: not a causal LM whose backbone a reward model can copy (lacks {missing[0]})")
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.reward_pooling = pooling
     return disable_dropout(model).eval()
@@ -326,6 +331,19 @@ def _check_safetensors(file: Path) -> None:
         raise ValueError(
             f"{file}: truncated or corrupt safetensors file ({e}); re-run the stage that wrote it"
         ) from None
+
+
+@contextmanager
+def _no_load_report():
+    """transformers warns with a LOAD REPORT table for each weight a checkpoint lacks; a reward model's new score
+    head is the design, not a fault (the caller checks the missing keys itself)."""
+    log = logging.getLogger("transformers.modeling_utils")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _from_pretrained(auto_cls, folder: Path, **kwargs) -> PreTrainedModel:
