@@ -1,0 +1,108 @@
+"""The paper's Fig. 8 on `tiny`: online DPO with K = 4 samples per prompt (best vs worst) against K = 2.
+
+The paper: sampling K = 4 completions per prompt reaches the same win-rate in half the steps, at the cost of more KL
+drift (a training-bound optimisation: more generation per step, fewer steps). Each point is a DVC experiment queued
+by bench/offpolicy.py's machinery; K = 2 with N = 1 is the off-policy grid's own point (op-online_dpo-n1-s<seed>), so
+one already run is not run again. Everything else is the `tiny` default: 1,024 prompts, 64 updates, the same data,
+SFT policy and reward model.
+
+  python bench/k_samples.py queue [--jobs J]   queue the missing points and wait for them
+  python bench/k_samples.py report             bench/metrics/k_samples.{csv,md}
+
+The rules, fixed in the commit that added this file, before any K = 4 point ran; win-rate = gold win-rate vs SFT, KL =
+KL(policy || SFT), each read at the kept policies (25%, 50%, 75% and 100% of the updates), means over the seeds:
+- "the same win-rate in half the steps": for each pair of kept fractions (f, 2f), K = 4 at f reaches K = 2 at 2f
+  within MARGIN. A pair tests the claim only where K = 2 itself gained more than MARGIN from f to 2f; where it did
+  not, `tiny`'s judge had stopped rising, and any K reaches it: "not testable".
+- "more KL drift": K = 4's KL at the final policy is higher than K = 2's in every seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import offpolicy
+import pandas as pd
+
+SEEDS = (3, 4, 5, 6)
+KS = (2, 4)
+MARGIN = 0.03  # win-rate; one eval's standard error on 512 prompts is ~0.018, a mean over 4 seeds' about half that
+
+
+def name(k: int, seed: int) -> str:
+    """K = 2 is the off-policy grid's N = 1 point; K = 4 gets its own name."""
+    return f"{offpolicy.PREFIX}-online_dpo-n1-s{seed}" if k == 2 else f"ks-online_dpo-k{k}-s{seed}"
+
+
+def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
+    out = {}
+    for k in KS:
+        for seed in seeds:
+            settings = ["train.trainer=online_dpo", "train.num_mini_batches=1", f"train.seed={seed}"]
+            out[name(k, seed)] = settings + ([] if k == 2 else [f"train.k={k}"])
+    return out
+
+
+def kept_policies(frame: pd.DataFrame, pts: dict[str, list[str]]) -> pd.DataFrame:
+    """frontier rows with K: one row per point and kept policy (fraction > 0)."""
+    k_of = {n: next((int(s.split("=")[1]) for s in pts[n] if s.startswith("train.k=")), 2) for n in pts}
+    frame = frame.assign(K=frame["point"].map(k_of))
+    return frame[frame["fraction"] > 0][["K", "seed", "fraction", "episode", "win_rate_vs_sft", "kl"]]
+
+
+def verdicts(kept: pd.DataFrame) -> list[str]:
+    mean = kept.groupby(["K", "fraction"])[["win_rate_vs_sft", "kl"]].mean()
+    lines = []
+    for f in sorted(kept["fraction"].unique()):
+        if (2, 2 * f) not in mean.index:
+            continue
+        win = mean["win_rate_vs_sft"]
+        k4, k2_here, k2_double = win[(4, f)], win[(2, f)], win[(2, 2 * f)]
+        head = f"K = 4 at {f:.0%}: {k4:.3f}; K = 2 at {2 * f:.0%}: {k2_double:.3f} (at {f:.0%}: {k2_here:.3f})"
+        if k2_double - k2_here <= MARGIN:
+            lines.append(f"- {head}: not testable (K = 2 gained {k2_double - k2_here:+.3f}, not more than {MARGIN})")
+        else:
+            held = k4 >= k2_double - MARGIN
+            lines.append(f"- {head}: {'holds' if held else 'does not hold'} (margin {MARGIN})")
+    final = kept[kept["fraction"] == 1.0].pivot_table(index="seed", columns="K", values="kl")
+    higher = (final[4] > final[2]).all()
+    pairs = ", ".join(f"seed {s}: {r[4]:.2f} vs {r[2]:.2f}" for s, r in final.iterrows())
+    drift = "in every seed" if higher else "NOT in every seed"
+    lines.append(f"- final KL, K = 4 vs K = 2 ({pairs}): more KL drift {drift}")
+    return lines
+
+
+def report(pts: dict[str, list[str]]) -> int:
+    exps = offpolicy.experiments()
+    missing = [n for n in pts if n not in exps]
+    if missing:
+        sys.exit(f"k_samples: not run yet: {missing}; `python bench/k_samples.py queue` runs them")
+    kept = kept_policies(offpolicy.frontier_rows(exps, pts), pts)
+    table = kept.groupby(["K", "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().round(3).reset_index()
+    spread = kept.groupby(["K", "fraction"])["win_rate_vs_sft"].agg(lambda s: (s.max() - s.min()) / 2).round(3)
+    table["win_rate_half_range"] = spread.values
+    seeds = ", ".join(map(str, sorted(kept["seed"].unique())))
+    title = f"# Online DPO, K = 4 vs K = 2 samples per prompt, `tiny` (seeds {seeds})"
+    text = "\n\n".join([title, table.to_markdown(index=False), "\n".join(verdicts(kept))]) + "\n"
+    offpolicy.OUT.mkdir(parents=True, exist_ok=True)
+    kept.to_csv(offpolicy.OUT / "k_samples.csv", index=False)
+    (offpolicy.OUT / "k_samples.md").write_text(text)
+    print(text + f"k_samples: -> {offpolicy.OUT}/k_samples.{{csv,md}}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["list", "queue", "report"])
+    ap.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
+    args = ap.parse_args(argv)
+    pts = points()
+    if args.command == "list":
+        print("\n".join(f"{n}: {' '.join(s)}" for n, s in pts.items()))
+        return 0
+    return offpolicy.queue(pts, args.jobs) if args.command == "queue" else report(pts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
