@@ -84,7 +84,16 @@ def report(pts: dict[str, list[str]]) -> int:
     table["win_rate_half_range"] = spread.values
     seeds = ", ".join(map(str, sorted(kept["seed"].unique())))
     title = f"# Online DPO, K = 4 vs K = 2 samples per prompt, `tiny` (seeds {seeds})"
-    text = "\n\n".join([title, table.to_markdown(index=False), "\n".join(verdicts(kept))]) + "\n"
+    text = (
+        "\n\n".join(
+            [
+                title,
+                table.to_markdown(index=False, floatfmt=("g", "g", ".0f", ".3f", ".2f", ".3f")),
+                "\n".join(verdicts(kept)),
+            ]
+        )
+        + "\n"
+    )
     offpolicy.OUT.mkdir(parents=True, exist_ok=True)
     kept.to_csv(offpolicy.OUT / "k_samples.csv", index=False)
     (offpolicy.OUT / "k_samples.md").write_text(text)
