@@ -36,6 +36,7 @@ def name(k: int, seed: int) -> str:
 
 
 def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
+    """Every point: its name and its `-S` settings (K = 2 leaves the profile's k, which is 2)."""
     out = {}
     for k in KS:
         for seed in seeds:
@@ -52,12 +53,12 @@ def kept_policies(frame: pd.DataFrame, pts: dict[str, list[str]]) -> pd.DataFram
 
 
 def verdicts(kept: pd.DataFrame) -> list[str]:
-    mean = kept.groupby(["K", "fraction"])[["win_rate_vs_sft", "kl"]].mean()
+    """The two rules of the docstring applied to the kept policies, one line per tested pair and one for KL."""
+    win = kept.groupby(["K", "fraction"])["win_rate_vs_sft"].mean()
     lines = []
     for f in sorted(kept["fraction"].unique()):
-        if (2, 2 * f) not in mean.index:
+        if (2, 2 * f) not in win.index:
             continue
-        win = mean["win_rate_vs_sft"]
         k4, k2_here, k2_double = win[(4, f)], win[(2, f)], win[(2, 2 * f)]
         head = f"K = 4 at {f:.0%}: {k4:.3f}; K = 2 at {2 * f:.0%}: {k2_double:.3f} (at {f:.0%}: {k2_here:.3f})"
         if k2_double - k2_here <= MARGIN:
@@ -84,16 +85,8 @@ def report(pts: dict[str, list[str]]) -> int:
     table["win_rate_half_range"] = spread.values
     seeds = ", ".join(map(str, sorted(kept["seed"].unique())))
     title = f"# Online DPO, K = 4 vs K = 2 samples per prompt, `tiny` (seeds {seeds})"
-    text = (
-        "\n\n".join(
-            [
-                title,
-                table.to_markdown(index=False, floatfmt=("g", "g", ".0f", ".3f", ".2f", ".3f")),
-                "\n".join(verdicts(kept)),
-            ]
-        )
-        + "\n"
-    )
+    rows = table.to_markdown(index=False, floatfmt=("g", "g", ".0f", ".3f", ".2f", ".3f"))
+    text = f"{title}\n\n{rows}\n\n" + "\n".join(verdicts(kept)) + "\n"
     offpolicy.OUT.mkdir(parents=True, exist_ok=True)
     kept.to_csv(offpolicy.OUT / "k_samples.csv", index=False)
     (offpolicy.OUT / "k_samples.md").write_text(text)
