@@ -15,15 +15,26 @@ KL(policy || SFT), each read at the kept policies (25%, 50%, 75% and 100% of the
   within MARGIN. A pair tests the claim only where K = 2 itself gained more than MARGIN from f to 2f; where it did
   not, `tiny`'s judge had stopped rising, and any K reaches it: "not testable".
 - "more KL drift": K = 4's KL at the final policy is higher than K = 2's in every seed.
+
+  python bench/k_samples.py time [--rounds R]   the same two runs, alone and in turn, timed by one clock
+
+The queue's points ran two at a time on two cores beside whatever else ran, so their seconds are not comparable.
+`time` runs `rlhf train` for K = 2 and K = 4 (seed 3) one after the other, each alone with 2 torch threads in a fresh
+process over a scratch copy of data/, R rounds in alternating order, and reads the loop's own `timing/elapsed` at
+the kept policies. The rule, fixed before it ran: K = 4 is faster to K = 2's half-way win-rate by the wall clock if,
+in every round, its elapsed seconds at the 25% policy are fewer than K = 2's at the 50% policy.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 
 import offpolicy
 import pandas as pd
+from common import ROOT, cpu_flags, scratch_data
 
 SEEDS = (3, 4, 5, 6)
 KS = (2, 4)
@@ -94,15 +105,53 @@ def report(pts: dict[str, list[str]]) -> int:
     return 0
 
 
+def timed_run(k: int, folder) -> pd.DataFrame:
+    """`rlhf train` for one K on a fresh scratch data dir: its timing rows (batch, elapsed seconds since start)."""
+    folder = scratch_data(folder)
+    settings = [s for s in points((3,))[name(k, 3)] if s != "train.num_mini_batches=1"]
+    cmd = [sys.executable, "-m", "rlhf.cli", "--profile", "tiny", "train", f"data_dir={folder}", *settings]
+    env = {**os.environ, "RLHF_TORCH_THREADS": "2", "WANDB_MODE": "disabled"}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    timing = pd.read_csv(folder / "timing" / "train.csv")
+    return timing[["train/global_step", "timing/elapsed", "timing/step", "timing/generation"]]
+
+
+def time_to_kept(rounds: int) -> int:
+    """Elapsed seconds at each kept policy, K = 2 and K = 4 alone and in turn; the rule of the docstring."""
+    rows, folder = [], ROOT / ".cache" / "bench" / "k_samples"
+    for r in range(rounds):
+        for k in KS if r % 2 == 0 else KS[::-1]:
+            timing = timed_run(k, folder)
+            updates = int(timing["train/global_step"].max())
+            at = {f: float(timing.loc[timing["train/global_step"] == round(f * updates), "timing/elapsed"].iloc[0])
+                  for f in (0.25, 0.5, 1.0)}  # fmt: skip
+            rows.append(dict(round=r + 1, K=k, **{f"s_at_{f:.0%}": v for f, v in at.items()},
+                             step_s=timing["timing/step"].iloc[1:].mean(),
+                             generation_s=timing["timing/generation"].iloc[1:].mean()))  # fmt: skip
+            print(f"k_samples: round {r + 1}, K = {k}: " + ", ".join(f"{f:.0%} at {v:.1f} s" for f, v in at.items()))
+    frame = pd.DataFrame(rows)
+    wide = frame.pivot_table(index="round", columns="K", values=["s_at_25%", "s_at_50%"])
+    faster = (wide[("s_at_25%", 4)] < wide[("s_at_50%", 2)]).all()
+    verdict = f"K = 4 faster to K = 2's half-way win-rate by the wall clock: {'yes' if faster else 'no'}, every round"
+    text = f"# K = 4 vs K = 2, time to the kept policies (CPU: {cpu_flags()})\n\n"
+    text += frame.round(2).to_markdown(index=False) + f"\n\n- {verdict}\n"
+    (offpolicy.OUT / "k_samples_time.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["list", "queue", "report"])
+    ap.add_argument("command", choices=["list", "queue", "report", "time"])
+    ap.add_argument("--rounds", type=int, default=2, help="`time`: rounds of K = 2 and K = 4 in turn")
     ap.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
     args = ap.parse_args(argv)
     pts = points()
     if args.command == "list":
         print("\n".join(f"{n}: {' '.join(s)}" for n, s in pts.items()))
         return 0
+    if args.command == "time":
+        return time_to_kept(args.rounds)
     return offpolicy.queue(pts, args.jobs) if args.command == "queue" else report(pts)
 
 
