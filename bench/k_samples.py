@@ -111,7 +111,10 @@ def timed_run(k: int, folder) -> pd.DataFrame:
     settings = [s for s in points((3,))[name(k, 3)] if s != "train.num_mini_batches=1"]
     cmd = [sys.executable, "-m", "rlhf.cli", "--profile", "tiny", "train", f"data_dir={folder}", *settings]
     env = {**os.environ, "RLHF_TORCH_THREADS": "2", "WANDB_MODE": "disabled"}
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+    log = folder.parent / f"train_k{k}.log"
+    with open(log, "w") as out:
+        if subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+            sys.exit(f"k_samples: `rlhf train` with K = {k} failed; its output: {log}")
     timing = pd.read_csv(folder / "timing" / "train.csv")
     return timing[["train/global_step", "timing/elapsed", "timing/step", "timing/generation"]]
 
