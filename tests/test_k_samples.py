@@ -54,3 +54,12 @@ def test_half_the_steps_is_judged_only_where_k2_was_still_rising(k4_at_quarter, 
 
 def test_more_kl_drift_must_hold_in_every_seed():
     assert "NOT in every seed" in k_samples.verdicts(_kept(0.78, 0.7, k4_kl=4.5))[-1]  # seed 3: 7.5 < 8.0
+
+
+def test_the_time_rule_needs_k4_faster_to_its_quarter_than_k2_to_its_half_in_every_round():
+    rows = [dict(round=r, K=2, **{"s_at_25%": 9.0, "s_at_50%": 12.5}) for r in (1, 2)]
+    rows += [dict(round=1, K=4, **{"s_at_25%": 11.0, "s_at_50%": 17.0})]
+    rows += [dict(round=2, K=4, **{"s_at_25%": 13.0, "s_at_50%": 19.0})]
+    assert k_samples.time_verdict(pd.DataFrame(rows)) == "no (rounds 2 not)"
+    rows[-1]["s_at_25%"] = 12.0
+    assert k_samples.time_verdict(pd.DataFrame(rows)) == "yes, every round"
