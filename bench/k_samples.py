@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 import offpolicy
 import pandas as pd
-from common import ROOT, cpu_flags, scratch_data
+from common import ROOT, cpu_flags, run_process_tree, scratch_data
 
 SEEDS = (3, 4, 5, 6)
 KS = (2, 4)
@@ -58,7 +57,7 @@ def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
 
 def kept_policies(frame: pd.DataFrame, pts: dict[str, list[str]]) -> pd.DataFrame:
     """frontier rows with K: one row per point and kept policy (fraction > 0)."""
-    k_of = {n: next((int(s.split("=")[1]) for s in pts[n] if s.startswith("train.k=")), 2) for n in pts}
+    k_of = {n: int(dict(s.split("=", 1) for s in pts[n]).get("train.k", 2)) for n in pts}
     frame = frame.assign(K=frame["point"].map(k_of))
     return frame[frame["fraction"] > 0][["K", "seed", "fraction", "episode", "win_rate_vs_sft", "kl"]]
 
@@ -108,13 +107,10 @@ def report(pts: dict[str, list[str]]) -> int:
 def timed_run(k: int, folder) -> pd.DataFrame:
     """`rlhf train` for one K on a fresh scratch data dir: its timing rows (batch, elapsed seconds since start)."""
     folder = scratch_data(folder)
-    settings = [s for s in points((3,))[name(k, 3)] if s != "train.num_mini_batches=1"]
+    settings = points((3,))[name(k, 3)]
     cmd = [sys.executable, "-m", "rlhf.cli", "--profile", "tiny", "train", f"data_dir={folder}", *settings]
     env = {**os.environ, "RLHF_TORCH_THREADS": "2", "WANDB_MODE": "disabled"}
-    log = folder.parent / f"train_k{k}.log"
-    with open(log, "w") as out:
-        if subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
-            sys.exit(f"k_samples: `rlhf train` with K = {k} failed; its output: {log}")
+    run_process_tree(cmd, folder.parent / f"train_k{k}.log", env)  # a failure exits with the log's last lines
     timing = pd.read_csv(folder / "timing" / "train.csv")
     return timing[["train/global_step", "timing/elapsed", "timing/step", "timing/generation"]]
 
@@ -132,12 +128,13 @@ def time_to_kept(rounds: int) -> int:
     for r in range(rounds):
         for k in KS if r % 2 == 0 else KS[::-1]:
             timing = timed_run(k, folder)
-            updates = int(timing["train/global_step"].max())
-            at = {f: float(timing.loc[timing["train/global_step"] == round(f * updates), "timing/elapsed"].iloc[0])
-                  for f in (0.25, 0.5, 1.0)}  # fmt: skip
-            rows.append(dict(round=r + 1, K=k, **{f"s_at_{f:.0%}": v for f, v in at.items()},
-                             step_s=timing["timing/step"].iloc[1:].mean(),
-                             generation_s=timing["timing/generation"].iloc[1:].mean()))  # fmt: skip
+            elapsed = timing.set_index("train/global_step")["timing/elapsed"]
+            at = {f: float(elapsed[round(f * elapsed.index.max())]) for f in (0.25, 0.5, 1.0)}
+            steady = timing.iloc[1:]  # the first batch carries the warm-up
+            rows.append(
+                dict(round=r + 1, K=k, **{f"s_at_{f:.0%}": v for f, v in at.items()},
+                     step_s=steady["timing/step"].mean(), generation_s=steady["timing/generation"].mean())
+            )  # fmt: skip
             print(f"k_samples: round {r + 1}, K = {k}: " + ", ".join(f"{f:.0%} at {v:.1f} s" for f, v in at.items()))
     frame = pd.DataFrame(rows)
     verdict = f"K = 4 faster to K = 2's half-way win-rate by the wall clock: {time_verdict(frame)}"
@@ -156,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     pts = points()
     if args.command == "list":
-        print("\n".join(f"{n}: {' '.join(s)}" for n, s in pts.items()))
+        print(offpolicy.point_lines(pts))
         return 0
     if args.command == "time":
         return time_to_kept(args.rounds)

@@ -70,6 +70,11 @@ def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
     return out
 
 
+def point_lines(pts: dict[str, list[str]]) -> str:
+    """One line per point: its name and its `-S` settings (`list`)."""
+    return "\n".join(f"{n}: {' '.join(s)}" for n, s in pts.items())
+
+
 def dvc(*args: str) -> str:
     """Run `dvc ARGS` in the project; its stdout. A failure ends this script with DVC's own message."""
     proc = subprocess.run(["dvc", *args], cwd=ROOT, capture_output=True, text=True)
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"offpolicy: --only: unknown point(s) {unknown}; `python bench/offpolicy.py list` names them")
         pts = {n: pts[n] for n in chosen}
     if args.command == "list":
-        print("\n".join(f"{n}: {' '.join(s)}" for n, s in pts.items()))
+        print(point_lines(pts))
         return 0
     return queue(pts, args.jobs) if args.command == "queue" else report(experiments(), pts, seeds)
 
