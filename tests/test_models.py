@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -179,10 +180,11 @@ def test_a_reward_model_from_a_causal_lm_loads_without_a_warning_but_refuses_a_c
     warnings = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = warnings.append
-    log = logging.getLogger("transformers.modeling_utils")  # where transformers logs its LOAD REPORT table
+    log = logging.getLogger("transformers")  # every transformers logger's records reach it (the LOAD REPORT table)
     log.addHandler(handler)
     try:
         loading.reward_model_from_causal(tiny_folder, seed=0)
+        loading.load_causal_lm(tiny_folder)
         assert [r.getMessage() for r in warnings] == []  # the new score head is the design: no "MISSING" table
         broken = tmp_path / "broken"
         shutil.copytree(tiny_folder, broken)
@@ -191,8 +193,22 @@ def test_a_reward_model_from_a_causal_lm_loads_without_a_warning_but_refuses_a_c
         save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(ValueError, match=f"{broken}: .*lacks model.norm.weight"):
             loading.reward_model_from_causal(broken, seed=0)
+        with pytest.raises(ValueError, match=f"{broken}: .*lacks model.norm.weight"):
+            loading.load_causal_lm(broken)  # the policy too: the reward stage samples with it first
     finally:
         log.removeHandler(handler)
+
+
+def test_a_checkpoint_whose_weight_has_another_shape_than_its_config_says_is_an_error_naming_it(tmp_path, tiny_folder):
+    import json
+
+    folder = tmp_path / "resized"
+    shutil.copytree(tiny_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 8}))
+    saved = (config["vocab_size"], config["hidden_size"])
+    with pytest.raises(ValueError, match=re.escape(f"{folder}: model.embed_tokens.weight has shape {saved} in the")):
+        loading.load_causal_lm(folder)  # transformers would re-initialise it at random, with a warning
 
 
 def test_a_shallow_mean_pooled_reward_model_scores_the_response_mean_and_keeps_it_when_saved(tmp_path, tiny_folder):

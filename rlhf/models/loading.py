@@ -262,19 +262,17 @@ def reward_model_from_causal(
     folder = _checked_model_folder(folder)
     tokenizer = load_tokenizer(folder)
     depth = {} if num_layers is None else {"num_hidden_layers": num_layers}
-    with torch.random.fork_rng(devices=[]), _no_load_report():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, info = _from_pretrained(
+        model = _from_pretrained(
             AutoModelForSequenceClassification,
             folder,
+            new_weights={"score.weight"},  # the new head: initialised from `seed`, not read
             dtype=dtype,
             num_labels=1,
             pad_token_id=tokenizer.pad_token_id,
-            output_loading_info=True,
             **depth,
         )
-    if missing := sorted(set(info["missing_keys"]) - {"score.weight"}):
-        raise ValueError(f"{folder}: not a causal LM whose backbone a reward model can copy (lacks {missing[0]})")
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.reward_pooling = pooling
     return disable_dropout(model).eval()
@@ -335,21 +333,34 @@ def _check_safetensors(file: Path) -> None:
 
 @contextmanager
 def _no_load_report():
-    """transformers warns with a LOAD REPORT table for each weight a checkpoint lacks; a reward model's new score
-    head is the design, not a fault (the caller checks the missing keys itself)."""
+    """transformers' LOAD REPORT warning table (weights a checkpoint lacks or has in another shape): _from_pretrained
+    turns those into its own one-line errors, and a reward model's new head is no fault at all. A filter, not the
+    logger's level: transformers runs a tensor-parallel plan check, and warns from it, when that level is raised."""
     log = logging.getLogger("transformers.modeling_utils")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    report = logging.Filter()
+    report.filter = lambda record: "LOAD REPORT" not in str(record.msg)
+    log.addFilter(report)
     try:
         yield
     finally:
-        log.setLevel(level)
+        log.removeFilter(report)
 
 
-def _from_pretrained(auto_cls, folder: Path, **kwargs) -> PreTrainedModel:
-    """from_pretrained on a checked local folder; loader errors are re-raised naming the folder."""
+def _from_pretrained(auto_cls, folder: Path, new_weights: set[str] = frozenset(), **kwargs) -> PreTrainedModel:
+    """from_pretrained on a checked local folder; loader errors are re-raised naming the folder. Every weight the
+    model has must come from the checkpoint, in its shape, except `new_weights` (transformers would only warn and
+    initialise the rest at random: a model that loads, then trains or samples from noise)."""
     try:
         AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
-        return auto_cls.from_pretrained(str(folder), **_SAFE, **kwargs)
+        with _no_load_report():
+            model, info = auto_cls.from_pretrained(
+                str(folder), **_SAFE, **kwargs, output_loading_info=True, ignore_mismatched_sizes=True
+            )
     except (SafetensorError, OSError, ValueError, KeyError, RuntimeError) as e:
         raise ValueError(f"{folder}: could not load {auto_cls.__name__} ({type(e).__name__}: {e})") from e
+    if mismatched := sorted(info["mismatched_keys"]):
+        key, saved, expected = mismatched[0]
+        raise ValueError(f"{folder}: {key} has shape {tuple(saved)} in the checkpoint, {tuple(expected)} in its config")
+    if missing := sorted(set(info["missing_keys"]) - set(new_weights)):
+        raise ValueError(f"{folder}: the checkpoint lacks {missing[0]} ({len(missing)} weight(s) missing)")
+    return model
