@@ -55,13 +55,6 @@ def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
     return out
 
 
-def kept_policies(frame: pd.DataFrame, pts: dict[str, list[str]]) -> pd.DataFrame:
-    """frontier rows with K: one row per point and kept policy (fraction > 0)."""
-    k_of = {n: int(dict(s.split("=", 1) for s in pts[n]).get("train.k", 2)) for n in pts}
-    frame = frame.assign(K=frame["point"].map(k_of))
-    return frame[frame["fraction"] > 0][["K", "seed", "fraction", "episode", "win_rate_vs_sft", "kl"]]
-
-
 def verdicts(kept: pd.DataFrame) -> list[str]:
     """The two rules of the docstring applied to the kept policies, one line per tested pair and one for KL."""
     win = kept.groupby(["K", "fraction"])["win_rate_vs_sft"].mean()
@@ -89,7 +82,7 @@ def report(pts: dict[str, list[str]]) -> int:
     missing = [n for n in pts if n not in exps]
     if missing:
         sys.exit(f"k_samples: not run yet: {missing}; `python bench/k_samples.py queue` runs them")
-    kept = kept_policies(offpolicy.frontier_rows(exps, pts), pts)
+    kept = offpolicy.kept_with(offpolicy.frontier_rows(exps, pts), pts, "K", "train.k", 2)
     table = kept.groupby(["K", "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().round(3).reset_index()
     spread = kept.groupby(["K", "fraction"])["win_rate_vs_sft"].agg(lambda s: (s.max() - s.min()) / 2).round(3)
     table["win_rate_half_range"] = spread.values

@@ -153,6 +153,14 @@ def frontier_rows(exps: dict[str, str], pts: dict[str, list[str]]) -> pd.DataFra
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def kept_with(frame: pd.DataFrame, pts: dict[str, list[str]], column: str, key: str, default: int) -> pd.DataFrame:
+    """frontier rows with one more setting as `column` (its `-S` value, else the profile's `default`): one row per
+    point and kept policy (fraction > 0)."""
+    value = {n: int(dict(s.split("=", 1) for s in pts[n]).get(key, default)) for n in pts}
+    frame = frame.assign(**{column: frame["point"].map(value)})
+    return frame[frame["fraction"] > 0][[column, "seed", "fraction", "episode", "win_rate_vs_sft", "kl"]]
+
+
 def retention(final: pd.DataFrame) -> pd.DataFrame:
     """Per algorithm and seed: (win-rate at the largest N - 0.5) / (win-rate at N = 1 - 0.5); NaN where N = 1 gained
     no more than MIN_GAIN over SFT."""

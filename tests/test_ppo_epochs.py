@@ -1,0 +1,72 @@
+"""bench/ppo_epochs.py (the paper's Fig. 7 on `tiny`): its points are valid runs that differ from the off-policy
+grid's N = 1 point only in E, and its verdicts follow the rules its docstring fixed before the E > 1 points ran."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import PARAMS
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import offpolicy  # noqa: E402
+import ppo_epochs  # noqa: E402
+
+
+def test_more_epochs_differ_from_the_off_policy_grids_n1_point_only_in_e():
+    from rlhf.config import load_config
+
+    points = ppo_epochs.points()
+    for seed in ppo_epochs.SEEDS:
+        base = load_config(PARAMS, "tiny", points[ppo_epochs.name(1, seed)])
+        for epochs in (2, 4):
+            more = load_config(PARAMS, "tiny", points[ppo_epochs.name(epochs, seed)])
+            assert (base.train.num_ppo_epochs, more.train.num_ppo_epochs, more.train.seed) == (1, epochs, seed)
+            assert more.train.model_copy(update={"num_ppo_epochs": 1}) == base.train  # nothing else differs
+    assert offpolicy.points((3,))["op-online_dpo-n1-s3"] == points["op-online_dpo-n1-s3"]  # the grid's own point
+
+
+def _kept(wins: dict[int, list[float]], kls: dict[int, list[float]]) -> pd.DataFrame:
+    """Two seeds alike; per E its win-rates and KLs at the kept policies 25, 50, 75 and 100%."""
+    rows = [
+        dict(E=e, seed=seed, fraction=f, episode=int(1024 * f), win_rate_vs_sft=w, kl=k)
+        for e in wins
+        for seed in (3, 4)
+        for f, w, k in zip((0.25, 0.5, 0.75, 1.0), wins[e], kls[e])
+    ]
+    return pd.DataFrame(rows)
+
+
+E1 = dict(win=[0.70, 0.76, 0.77, 0.78], kl=[4.0, 6.0, 8.0, 9.0])  # rising by 0.06 from 25% to 50%, then 0.02
+
+
+@pytest.mark.parametrize(
+    "e2_wins, expected",
+    [([0.75, 0.78, 0.79, 0.80], "holds"), ([0.72, 0.78, 0.79, 0.80], "does not hold")],
+)
+def test_data_efficiency_is_judged_only_where_e1_was_still_rising(e2_wins, expected):
+    kept = _kept({1: E1["win"], 2: e2_wins, 4: e2_wins}, {1: E1["kl"], 2: E1["kl"], 4: E1["kl"]})
+    line = ppo_epochs.efficiency(kept.groupby(["E", "fraction"])["win_rate_vs_sft"].mean(), 2)
+    assert line.splitlines()[0] == f"- E = 2, more data-efficient: {expected}"
+    assert "at 50%" in line and "not testable (E = 1 gained +0.020" in line  # 0.76 -> 0.78: the judge is flat
+    flat = _kept({1: [0.78, 0.79, 0.79, 0.79], 2: e2_wins}, {1: E1["kl"], 2: E1["kl"]})
+    assert "data-efficient: not testable" in ppo_epochs.efficiency(
+        flat.groupby(["E", "fraction"])["win_rate_vs_sft"].mean(), 2
+    )
+
+
+@pytest.mark.parametrize(
+    "e2_kls, expected",
+    [
+        ([8.0, 12.0, 16.0, 18.0], "holds"),  # the same win-rates at twice the KL: at 4 nats E = 2 has 0.5 + 0.2 / 2
+        ([4.0, 6.0, 8.0, 9.0], "does not hold"),  # the same frontier
+        ([1.0, 2.0, 3.0, 4.5], "not testable"),  # one of E = 1's KLs (4.0) within E = 2's range
+    ],
+)
+def test_the_frontier_is_compared_at_e1s_kl_within_es_range(e2_kls, expected):
+    kept = _kept({1: E1["win"], 2: E1["win"]}, {1: E1["kl"], 2: e2_kls})
+    line = ppo_epochs.frontier_shift(kept, 2)
+    assert line.split("): ")[-1].startswith(expected), line
