@@ -7,7 +7,20 @@ import os
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("RLHF_CACHE_DIR", PROJECT_ROOT / ".cache"))
+
+
+def queued_from(cwd: Path | None = None) -> Path | None:
+    """The repository when this process runs in a temporary copy of it that DVC's experiment queue (or `dvc exp run
+    --temp`) made under its `.dvc/tmp` (DVC then sets DVC_ROOT to the repository); else None."""
+    root = os.environ.get("DVC_ROOT")
+    if not root:
+        return None
+    repo = Path(root).resolve()
+    return repo if (cwd or Path.cwd()).resolve().is_relative_to(repo / ".dvc" / "tmp") else None
+
+
+# A queued experiment's copy is deleted once it ran: its caches (W&B's offline runs among them) are the repository's.
+CACHE = Path(os.environ.get("RLHF_CACHE_DIR") or (queued_from() or PROJECT_ROOT) / ".cache")
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -115,10 +128,15 @@ def threads_alone() -> int:
     """Torch threads for a process that has its cores to itself (a stage that starts no engine or worker process
     beside it, as `dvc repro` runs the sft and reward stages): RLHF_TORCH_THREADS when set (the test suite sets 1:
     its workers share the cores), else one per core this process may use. The `tiny` SFT ran 1.7x faster on 2
-    threads than on 1 (2-core AMD EPYC, AVX-512); two processes sharing two cores want one each (configure_torch)."""
+    threads than on 1 (2-core AMD EPYC, AVX-512); two processes sharing two cores want one each (configure_torch).
+
+    A stage of a queued DVC experiment takes one: the queue runs experiments side by side (`dvc queue start -j J`),
+    and two `tiny` train stages at once on 2 cores took 6-8x as long with two threads each as with one (341 against
+    40 s; alone: 33 s on two threads, 39 on one; bench/shared_cores.py). Fixed, not counted at run time: the thread
+    count changes the rounding, so a run's results must not hang on what else ran beside it."""
     if os.environ.get("RLHF_TORCH_THREADS"):
         return env_int("RLHF_TORCH_THREADS", 1, minimum=1)
-    return len(os.sched_getaffinity(0))
+    return 1 if queued_from() else len(os.sched_getaffinity(0))
 
 
 def _skip_deepspeed_shm_op() -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
+from rlhf import runtime
+
 # Exit statuses of `rlhf <stage>` that mean "this input will fail again": 1 = a known error (bad config,
 # missing file, bad value; rlhf/cli.py) or an uncaught exception, 2 = bad command line (argparse).
 DETERMINISTIC_EXIT = {1, 2}
@@ -125,9 +127,11 @@ def run_stage(stage: str, workspace: str, metrics_files: list[str]) -> dict:
     ws = Path(workspace)
     cmd = ["dvc", "repro", "--single-item", stage]
     logger.info("%s  (in %s)", " ".join(cmd), ws)
-    # `dvc` and the `rlhf` it runs come from this interpreter's environment, whatever PATH the worker had.
+    # `dvc` and the `python` it runs come from this interpreter's environment, whatever PATH the worker had. The
+    # stage runs the clone's code, with the project's caches (the clone is deleted after the run).
     path = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
     env = {**os.environ, "PATH": path, "TQDM_MININTERVAL": os.environ.get("TQDM_MININTERVAL", "10")}
+    env.setdefault("RLHF_CACHE_DIR", str(runtime.CACHE))
     proc = subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     tail = _stream(proc, logger)
     if proc.wait() != 0:

@@ -159,7 +159,7 @@ def make_dvc_repo(path: Path, cache: Path | None = None) -> Path:
     path.mkdir(parents=True)
     for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(ROOT / name, path / name)
-    # The stages' code is a DVC dep of theirs (the stages run the installed `rlhf`, this same code).
+    # The stages' code is a DVC dep of theirs, and what they run (`python -m rlhf.cli` in the copy).
     shutil.copytree(ROOT / "rlhf", path / "rlhf", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     for cmd in (

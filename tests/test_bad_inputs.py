@@ -502,15 +502,19 @@ def test_interrupted_dvc_repro_records_nothing_and_loses_nothing(tmp_path):
         text=True,
         start_new_session=True,
     )
-    stage = _child(proc, lambda cmd: cmd[-1:] == ["sft"] and any(a.endswith("/rlhf") for a in cmd), COMMAND_TIMEOUT)
-    taken = lock_file(str(repo / "data"), "sft")  # by `rlhf sft` once its interrupt handling is on
+    stage = _child(proc, lambda cmd: cmd[-3:] == ["-m", "rlhf.cli", "sft"], COMMAND_TIMEOUT)
+    # taken by `rlhf sft` once its interrupt handling is on; the stage runs the copy's code, with the copy's cache
+    taken = repo / ".cache" / "locks" / lock_file(str(repo / "data"), "sft").name
     with contextlib.suppress(psutil.NoSuchProcess):  # mid-stage: past its start-up on a box of any speed
         while not (taken.exists() and taken.read_text() == str(stage.pid)) or sum(stage.cpu_times()[:2]) < 2.0:
             time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals DVC and the stage's process together
     out, _ = proc.communicate(timeout=COMMAND_TIMEOUT)
     assert proc.returncode == 255, out
-    assert "interrupted\nERROR: failed to reproduce 'sft': failed to run: exec rlhf sft, exited with 130" in out
+    assert (
+        "interrupted\nERROR: failed to reproduce 'sft': failed to run: exec python -m rlhf.cli sft, exited with 130"
+        in out
+    )
     assert (repo / "dvc.lock").read_bytes() == lock  # the interrupted run is not recorded as done
     assert not list((repo / "data").glob(".sft.*"))  # no half-written folder
     assert "sft" in json.loads(run_ok(["dvc", "status", "--json", "sft"], repo, env))

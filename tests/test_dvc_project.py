@@ -5,7 +5,8 @@ import re
 import shutil
 import subprocess
 
-from conftest import ROOT, drawn_offline, isolated_env, run_ok
+import pytest
+from conftest import ROOT, drawn_offline, isolated_env, make_dvc_repo, run_ok
 
 
 def test_the_committed_plots_page_is_what_rlhf_plots_page_writes():
@@ -67,7 +68,7 @@ def test_each_stage_depends_on_all_the_code_it_runs():
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     uncovered = {}
     for name, stage in stages.items():
-        assert stage["cmd"] == f"exec rlhf {name}"  # the stage runs rlhf.stages.<name>
+        assert stage["cmd"] == f"exec python -m rlhf.cli {name}"  # rlhf.stages.<name>, of the folder it runs in
         module = f"rlhf.stages.{name}"
         code = {module} | {m for m in graph.find_upstream_modules(module) if m.startswith("rlhf.")}
         files = {Path(importlib.util.find_spec(m).origin) for m in code}
@@ -76,3 +77,25 @@ def test_each_stage_depends_on_all_the_code_it_runs():
         if missing:
             uncovered[name] = sorted(str(f.relative_to(ROOT)) for f in missing)
     assert not uncovered, f"dvc.yaml deps miss code their stage runs: {uncovered}"
+
+
+@pytest.mark.slow
+def test_a_queued_experiment_runs_the_code_as_it_was_queued_with_one_thread(tmp_path, dvc_cache):
+    """`dvc exp run --queue` copies the project; its stages run that copy's code, not the checkout as edited since
+    (the venv's `rlhf` script would: the editable install points at the checkout), with one torch thread (queued
+    experiments run side by side) and the repository's cache."""
+    repo = make_dvc_repo(tmp_path / "project", cache=dvc_cache)
+    env = isolated_env(tmp_path)
+    params = repo / "params.yaml"
+    params.write_text(re.sub(r"^profile: \S+", "profile: ci", params.read_text(), count=1, flags=re.M))
+    stage = repo / "rlhf" / "stages" / "prepare.py"
+    code = stage.read_text()
+    report = "from rlhf import runtime; print('code as queued', runtime.threads_alone(), runtime.CACHE, flush=True)"
+    stage.write_text(f"{code}\n{report}\n")
+    run_ok(["git", "commit", "-qam", "ci profile, prepare says what it runs"], repo, env)
+    run_ok(["dvc", "exp", "run", "--queue", "--name", "snapshot", "prepare"], repo, env)
+    stage.write_text(f"{code}\n{report.replace('as queued', 'edited after')}\n")  # the user goes on working
+    run_ok(["dvc", "queue", "start", "--jobs", "1"], repo, {**env, "RLHF_TORCH_THREADS": ""})
+    log = run_ok(["dvc", "queue", "logs", "--follow", "snapshot"], repo, env)
+    assert f"code as queued 1 {repo.resolve() / '.cache'}" in log and "edited after" not in log, log[-2000:]
+    assert "snapshot" in run_ok(["dvc", "exp", "list", "--name-only"], repo, env)

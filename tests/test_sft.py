@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import os
 import random
+import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -279,3 +281,30 @@ def test_a_stage_alone_takes_a_thread_per_core_unless_told(monkeypatch):
     monkeypatch.setenv("RLHF_TORCH_THREADS", "0")
     with pytest.raises(ValueError, match="RLHF_TORCH_THREADS='0': expected an integer >= 1"):
         threads_alone()
+
+
+def test_a_stage_of_a_queued_dvc_experiment_takes_one_thread_and_the_repositorys_cache(monkeypatch, tmp_path):
+    """DVC's queue runs experiments side by side in copies under <repo>/.dvc/tmp (DVC_ROOT names the repo): two
+    `tiny` train stages at once took 6-8x as long with a thread per core each as with one. A copy's caches are the
+    repository's (the copy is deleted after the run)."""
+    from rlhf import runtime
+
+    monkeypatch.delenv("RLHF_TORCH_THREADS")
+    copy = tmp_path / "repo" / ".dvc" / "tmp" / "exps" / "tmpab12"
+    copy.mkdir(parents=True)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path / "repo"))
+    assert runtime.queued_from(copy) == (tmp_path / "repo").resolve()
+    assert runtime.queued_from(tmp_path / "repo") is None  # `dvc repro`, `dvc exp run` in the workspace
+    monkeypatch.chdir(copy)
+    assert runtime.threads_alone() == 1
+    monkeypatch.setenv("RLHF_TORCH_THREADS", "2")  # told: `RLHF_TORCH_THREADS=2 dvc queue start` (one worker)
+    assert runtime.threads_alone() == 2
+    monkeypatch.delenv("RLHF_TORCH_THREADS")
+    monkeypatch.chdir(tmp_path / "repo")
+    assert runtime.threads_alone() == len(os.sched_getaffinity(0))
+    monkeypatch.delenv("DVC_ROOT")  # outside DVC
+    assert runtime.queued_from(copy) is None
+    env = {**os.environ, "DVC_ROOT": str(tmp_path / "repo"), "RLHF_CACHE_DIR": ""}
+    code = "from rlhf import runtime; print(runtime.CACHE)"
+    cache = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True, text=True, check=True)
+    assert cache.stdout.strip() == str((tmp_path / "repo").resolve() / ".cache")

@@ -57,5 +57,5 @@ def start() -> Path:
 
 
 def path(base: str) -> str:
-    """PATH with the warm `rlhf` (and `accelerate`) first: DVC's stages run `exec rlhf STAGE`."""
+    """PATH with the warm `python`, `rlhf` and `accelerate` first: DVC's stages run `exec python -m rlhf.cli STAGE`."""
     return f"{start().parent}{os.pathsep}{base}" if ON else base
