@@ -42,17 +42,12 @@ MARGIN = 0.03  # win-rate; one eval's standard error on 512 prompts is ~0.018, a
 
 def name(k: int, seed: int) -> str:
     """K = 2 is the off-policy grid's N = 1 point; K = 4 gets its own name."""
-    return f"{offpolicy.PREFIX}-online_dpo-n1-s{seed}" if k == 2 else f"ks-online_dpo-k{k}-s{seed}"
+    return offpolicy.dpo_variant("k", k, 2, "ks-online_dpo-k", seed)[0]
 
 
 def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
     """Every point: its name and its `-S` settings (K = 2 leaves the profile's k, which is 2)."""
-    out = {}
-    for k in KS:
-        for seed in seeds:
-            settings = ["train.trainer=online_dpo", "train.num_mini_batches=1", f"train.seed={seed}"]
-            out[name(k, seed)] = settings + ([] if k == 2 else [f"train.k={k}"])
-    return out
+    return dict(offpolicy.dpo_variant("k", k, 2, "ks-online_dpo-k", seed) for k in KS for seed in seeds)
 
 
 def verdicts(kept: pd.DataFrame) -> list[str]:
@@ -78,23 +73,8 @@ def verdicts(kept: pd.DataFrame) -> list[str]:
 
 
 def report(pts: dict[str, list[str]]) -> int:
-    exps = offpolicy.experiments()
-    missing = [n for n in pts if n not in exps]
-    if missing:
-        sys.exit(f"k_samples: not run yet: {missing}; `python bench/k_samples.py queue` runs them")
-    kept = offpolicy.kept_with(offpolicy.frontier_rows(exps, pts), pts, "K", "train.k", 2)
-    table = kept.groupby(["K", "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().round(3).reset_index()
-    spread = kept.groupby(["K", "fraction"])["win_rate_vs_sft"].agg(lambda s: (s.max() - s.min()) / 2).round(3)
-    table["win_rate_half_range"] = spread.values
-    seeds = ", ".join(map(str, sorted(kept["seed"].unique())))
-    title = f"# Online DPO, K = 4 vs K = 2 samples per prompt, `tiny` (seeds {seeds})"
-    rows = table.to_markdown(index=False, floatfmt=("g", "g", ".0f", ".3f", ".2f", ".3f"))
-    text = f"{title}\n\n{rows}\n\n" + "\n".join(verdicts(kept)) + "\n"
-    offpolicy.OUT.mkdir(parents=True, exist_ok=True)
-    kept.to_csv(offpolicy.OUT / "k_samples.csv", index=False)
-    (offpolicy.OUT / "k_samples.md").write_text(text)
-    print(text + f"k_samples: -> {offpolicy.OUT}/k_samples.{{csv,md}}")
-    return 0
+    title = "Online DPO, K = 4 vs K = 2 samples per prompt"
+    return offpolicy.variant_report("k_samples", pts, ("K", "train.k", 2), title, verdicts)
 
 
 def timed_run(k: int, folder) -> pd.DataFrame:

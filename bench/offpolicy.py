@@ -153,6 +153,42 @@ def frontier_rows(exps: dict[str, str], pts: dict[str, list[str]]) -> pd.DataFra
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
+def dpo_variant(key: str, value: int, default: int, label: str, seed: int) -> tuple[str, list[str]]:
+    """Online DPO's N = 1 point with one `train.<key>` set to `value`: its name and `-S` settings. At the profile's
+    own value (`default`) it is the off-policy grid's point (op-online_dpo-n1-s<seed>, not run twice); else
+    <label><value>-s<seed> (label "ks-online_dpo-k": ks-online_dpo-k4-s3)."""
+    settings = ["train.trainer=online_dpo", "train.num_mini_batches=1", f"train.seed={seed}"]
+    if value == default:
+        return f"{PREFIX}-online_dpo-n1-s{seed}", settings
+    return f"{label}{value}-s{seed}", [*settings, f"train.{key}={value}"]
+
+
+def kept_table(kept: pd.DataFrame, column: str) -> str:
+    """Markdown: per `column` value and kept policy, the seeds' mean episode, win-rate and KL, and the win-rate's
+    half-range over the seeds."""
+    table = kept.groupby([column, "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().round(3).reset_index()
+    spread = kept.groupby([column, "fraction"])["win_rate_vs_sft"].agg(lambda s: (s.max() - s.min()) / 2).round(3)
+    table["win_rate_half_range"] = spread.values
+    return table.to_markdown(index=False, floatfmt=("g", "g", ".0f", ".3f", ".2f", ".3f"))
+
+
+def variant_report(stem: str, pts: dict[str, list[str]], setting: tuple[str, str, int], title: str, verdicts) -> int:
+    """bench/metrics/<stem>.{csv,md} of a bench of dpo_variant points (bench/<stem>.py): every kept policy, the
+    seeds' table and `verdicts(kept)` (lines). setting: (column, `-S` key, the profile's value) of what varies."""
+    exps = experiments()
+    if missing := [n for n in pts if n not in exps]:
+        sys.exit(f"{stem}: not run yet: {missing}; `python bench/{stem}.py queue` runs them")
+    column = setting[0]
+    kept = kept_with(frontier_rows(exps, pts), pts, *setting)
+    seeds = ", ".join(map(str, sorted(kept["seed"].unique())))
+    text = f"# {title}, `tiny` (seeds {seeds})\n\n{kept_table(kept, column)}\n\n" + "\n".join(verdicts(kept)) + "\n"
+    OUT.mkdir(parents=True, exist_ok=True)
+    kept.to_csv(OUT / f"{stem}.csv", index=False)
+    (OUT / f"{stem}.md").write_text(text)
+    print(text + f"{stem}: -> {OUT}/{stem}.{{csv,md}}")
+    return 0
+
+
 def kept_with(frame: pd.DataFrame, pts: dict[str, list[str]], column: str, key: str, default: int) -> pd.DataFrame:
     """frontier rows with one more setting as `column` (its `-S` value, else the profile's `default`): one row per
     point and kept policy (fraction > 0)."""

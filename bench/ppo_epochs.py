@@ -40,17 +40,14 @@ MARGIN = 0.03  # win-rate; one eval's standard error on 512 prompts is ~0.018, a
 
 def name(epochs: int, seed: int) -> str:
     """E = 1 is the off-policy grid's N = 1 point; E > 1 gets its own name."""
-    return f"{offpolicy.PREFIX}-online_dpo-n1-s{seed}" if epochs == 1 else f"pe-online_dpo-e{epochs}-s{seed}"
+    return offpolicy.dpo_variant("num_ppo_epochs", epochs, 1, "pe-online_dpo-e", seed)[0]
 
 
 def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
     """Every point: its name and its `-S` settings (E = 1 leaves the profile's num_ppo_epochs, which is 1)."""
-    out = {}
-    for epochs in EPOCHS:
-        for seed in seeds:
-            settings = ["train.trainer=online_dpo", "train.num_mini_batches=1", f"train.seed={seed}"]
-            out[name(epochs, seed)] = settings + ([] if epochs == 1 else [f"train.num_ppo_epochs={epochs}"])
-    return out
+    return dict(
+        offpolicy.dpo_variant("num_ppo_epochs", e, 1, "pe-online_dpo-e", seed) for e in EPOCHS for seed in seeds
+    )
 
 
 def frontier(kept: pd.DataFrame, epochs: int) -> tuple[np.ndarray, np.ndarray]:
@@ -100,22 +97,8 @@ def verdicts(kept: pd.DataFrame) -> list[str]:
 
 
 def report(pts: dict[str, list[str]]) -> int:
-    exps = offpolicy.experiments()
-    if missing := [n for n in pts if n not in exps]:
-        sys.exit(f"ppo_epochs: not run yet: {missing}; `python bench/ppo_epochs.py queue` runs them")
-    kept = offpolicy.kept_with(offpolicy.frontier_rows(exps, pts), pts, "E", "train.num_ppo_epochs", 1)
-    table = kept.groupby(["E", "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().round(3).reset_index()
-    spread = kept.groupby(["E", "fraction"])["win_rate_vs_sft"].agg(lambda s: (s.max() - s.min()) / 2).round(3)
-    table["win_rate_half_range"] = spread.values
-    seeds = ", ".join(map(str, sorted(kept["seed"].unique())))
-    title = f"# Online DPO, E = {', '.join(map(str, EPOCHS))} passes over each generated batch, `tiny` (seeds {seeds})"
-    rows = table.to_markdown(index=False, floatfmt=("g", "g", ".0f", ".3f", ".2f", ".3f"))
-    text = f"{title}\n\n{rows}\n\n" + "\n".join(verdicts(kept)) + "\n"
-    offpolicy.OUT.mkdir(parents=True, exist_ok=True)
-    kept.to_csv(offpolicy.OUT / "ppo_epochs.csv", index=False)
-    (offpolicy.OUT / "ppo_epochs.md").write_text(text)
-    print(text + f"ppo_epochs: -> {offpolicy.OUT}/ppo_epochs.{{csv,md}}")
-    return 0
+    title = f"Online DPO, E = {', '.join(map(str, EPOCHS))} passes over each generated batch"
+    return offpolicy.variant_report("ppo_epochs", pts, ("E", "train.num_ppo_epochs", 1), title, verdicts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@ grid's N = 1 point only in E, and its verdicts follow the rules its docstring fi
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -70,3 +71,24 @@ def test_the_frontier_is_compared_at_e1s_kl_within_es_range(e2_kls, expected):
     kept = _kept({1: E1["win"], 2: E1["win"]}, {1: E1["kl"], 2: e2_kls})
     line = ppo_epochs.frontier_shift(kept, 2)
     assert line.split("): ")[-1].startswith(expected), line
+
+
+def test_the_report_writes_the_table_and_both_verdicts_per_e(monkeypatch, tmp_path):
+    pts = ppo_epochs.points((3, 4))
+    rows = []
+    for name, settings in pts.items():
+        epochs = int(dict(s.split("=", 1) for s in settings).get("train.num_ppo_epochs", 1))
+        for f, w, k in zip((0.0, 0.25, 0.5, 0.75, 1.0), [0.5, *E1["win"]], [0.0, *E1["kl"]]):
+            row = dict(point=name, seed=int(name[-1]), fraction=f, episode=int(1024 * f), win_rate_vs_sft=w)
+            rows.append({**row, "kl": k * epochs})
+    monkeypatch.setattr(offpolicy, "experiments", lambda: {n: "rev" for n in pts})
+    monkeypatch.setattr(offpolicy, "frontier_rows", lambda exps, p: pd.DataFrame(rows))
+    monkeypatch.setattr(offpolicy, "OUT", tmp_path)
+    assert ppo_epochs.report(pts) == 0
+    text = (tmp_path / "ppo_epochs.md").read_text()
+    assert text.startswith("# Online DPO, E = 1, 2, 4 passes over each generated batch, `tiny` (seeds 3, 4)")
+    assert re.search(r"\|\s+4 \|\s+0.25 \|\s+256 \|\s+0.700 \|\s+16.00 \|\s+0.000 \|", text)  # E, kept policy: means
+    for e in (2, 4):  # the same win-rates at E times the KL: not more data-efficient, the frontier moved
+        assert f"- E = {e}, more data-efficient: does not hold" in text
+        assert f"- E = {e}, the frontier moved" in text and text.count("): holds (E = 1 ahead by") == 2
+    assert len(pd.read_csv(tmp_path / "ppo_epochs.csv")) == 3 * 2 * 4  # E x seeds x kept policies
