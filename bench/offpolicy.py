@@ -153,7 +153,7 @@ def frontier_rows(exps: dict[str, str], pts: dict[str, list[str]]) -> pd.DataFra
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def dpo_variant(key: str, value: int, default: int, label: str, seed: int) -> tuple[str, list[str]]:
+def dpo_variant(key: str, value: int, default: int | None, label: str, seed: int) -> tuple[str, list[str]]:
     """Online DPO's N = 1 point with one `train.<key>` set to `value`: its name and `-S` settings. At the profile's
     own value (`default`) it is the off-policy grid's point (op-online_dpo-n1-s<seed>, not run twice); else
     <label><value>-s<seed> (label "ks-online_dpo-k": ks-online_dpo-k4-s3)."""

@@ -84,7 +84,7 @@ def test_the_report_writes_the_table_and_both_verdicts_per_e(monkeypatch, tmp_pa
     monkeypatch.setattr(offpolicy, "experiments", lambda: {n: "rev" for n in pts})
     monkeypatch.setattr(offpolicy, "frontier_rows", lambda exps, p: pd.DataFrame(rows))
     monkeypatch.setattr(offpolicy, "OUT", tmp_path)
-    assert ppo_epochs.report(pts) == 0
+    assert ppo_epochs.report(pts, early=False) == 0
     text = (tmp_path / "ppo_epochs.md").read_text()
     assert text.startswith("# Online DPO, E = 1, 2, 4 passes over each generated batch, `tiny` (seeds 3, 4)")
     assert re.search(r"\|\s+4 \|\s+0.25 \|\s+256 \|\s+0.700 \|\s+16.00 \|\s+0.000 \|", text)  # E, kept policy: means
@@ -92,3 +92,27 @@ def test_the_report_writes_the_table_and_both_verdicts_per_e(monkeypatch, tmp_pa
         assert f"- E = {e}, more data-efficient: does not hold" in text
         assert f"- E = {e}, the frontier moved" in text and text.count("): holds (E = 1 ahead by") == 2
     assert len(pd.read_csv(tmp_path / "ppo_epochs.csv")) == 3 * 2 * 4  # E x seeds x kept policies
+
+
+def test_the_early_points_differ_from_the_first_runs_only_in_the_kept_policies():
+    from rlhf.config import load_config
+
+    first, early = ppo_epochs.points(), ppo_epochs.points(early=True)
+    for epochs in ppo_epochs.EPOCHS:
+        for seed in ppo_epochs.SEEDS:
+            a = load_config(PARAMS, "tiny", first[ppo_epochs.name(epochs, seed)])
+            b = load_config(PARAMS, "tiny", early[f"pe-early-online_dpo-e{epochs}-s{seed}"])
+            assert b.train.eval_checkpoints == list(ppo_epochs.EARLY)
+            assert b.train.model_copy(update={"eval_checkpoints": a.train.eval_checkpoints}) == a.train
+
+
+@pytest.mark.parametrize("kl_early, expected", [(9.43, "the same"), (9.44, "NOT the same")])
+def test_the_early_run_checks_its_e1_final_policies_against_the_first_runs(monkeypatch, kl_early, expected):
+    early = ppo_epochs.points((3,), early=True)
+    names = ["op-online_dpo-n1-s3", "pe-early-online_dpo-e1-s3"]
+    rows = [dict(point=n, seed=3, fraction=1.0, win_rate_vs_sft=0.76, kl=kl) for n, kl in zip(names, (9.43, kl_early))]
+    monkeypatch.setattr(offpolicy, "experiments", lambda: {})
+    monkeypatch.setattr(
+        offpolicy, "frontier_rows", lambda exps, pts: pd.DataFrame(rows)[lambda f: f["point"].isin(pts)]
+    )
+    assert ppo_epochs.same_final_policies(early)[0].endswith(f"seed by seed: {expected}")
