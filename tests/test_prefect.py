@@ -471,7 +471,7 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     assert all(t["state_type"] == "COMPLETED" and t["run_count"] == 1 for t in tasks)
     train = next(t for t in tasks if t["name"] == "train")
     logs = _api(served["api_url"], "/logs/filter", {"logs": {"task_run_id": {"any_": [train["id"]]}}})
-    assert any("rlhf train" in entry["message"] for entry in logs)  # the stage's output is in the UI
+    assert any("train [ppo]: final/" in entry["message"] for entry in logs)  # the stage's own output is in the UI
     # The run's results beside its task states: the metrics and the frontier as tables, a note on the report.
     artifacts = _api(served["api_url"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     by_key = {a["key"]: a for a in artifacts}
