@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -80,7 +81,13 @@ def report(other_rev: str | None) -> int:
     stats, rows = table(values)
     text = f"# `tiny`, the whole pipeline, seeds {SEEDS[0]}-{SEEDS[-1]} (CPU: {cpu_flags()})\n\n" + "\n".join(rows)
     if other_rev is not None:
-        text += "\n\n" + "\n".join(against_other(values, read(other_rev), other_rev))
+        try:
+            other = read(other_rev)
+        except (subprocess.CalledProcessError, json.JSONDecodeError, KeyError) as e:
+            failed = isinstance(e, subprocess.CalledProcessError) and (e.stderr or "").strip()
+            detail = e.stderr.strip().splitlines()[-1] if failed else repr(e)
+            sys.exit(f"pipeline_seeds: --other-rev {other_rev}: no seed-1234 run's metrics there ({detail})")
+        text += "\n\n" + "\n".join(against_other(values, other, other_rev))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "pipeline_seeds.md").write_text(text + "\n")
     flat = {f"{metric}/{k}": float(v) for metric, s in stats.items() for k, v in s.items()}

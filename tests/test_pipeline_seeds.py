@@ -31,3 +31,26 @@ def test_another_box_is_within_the_seeds_range_or_not():
     near = pipeline_seeds.against_other(values, {"gold win-rate vs SFT": 0.83}, "abc")  # +0.09
     far = pipeline_seeds.against_other(values, {"gold win-rate vs SFT": 0.85}, "abc")  # +0.11
     assert near[-1].endswith("| +0.090 | 0.100 | yes |") and far[-1].endswith("| +0.110 | 0.100 | no |")
+
+
+def test_an_other_rev_without_the_metrics_is_one_line_naming_it(monkeypatch, tmp_path):
+    import json
+    import subprocess
+
+    import pytest
+
+    def committed(rev: str, path: str) -> str:
+        if rev == "nope":
+            raise subprocess.CalledProcessError(128, ["git", "show"], stderr="fatal: invalid object name 'nope'.\n")
+        return json.dumps({key: 0.5 for _, key in pipeline_seeds.METRICS.values()})
+
+    monkeypatch.setattr(pipeline_seeds, "experiments", lambda: {n: "rev" for n in pipeline_seeds.points()})
+    monkeypatch.setattr(pipeline_seeds, "committed", committed)
+    monkeypatch.setattr(pipeline_seeds, "OUT", tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        pipeline_seeds.report("nope")
+    assert str(stop.value) == (
+        "pipeline_seeds: --other-rev nope: no seed-1234 run's metrics there (fatal: invalid object name 'nope'.)"
+    )
+    assert not (tmp_path / "pipeline_seeds.md").exists()  # nothing half-written
+    assert pipeline_seeds.report("rev") == 0 and "| yes |" in (tmp_path / "pipeline_seeds.md").read_text()
