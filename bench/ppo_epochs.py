@@ -112,7 +112,8 @@ def verdicts(kept: pd.DataFrame) -> list[str]:
 
 def same_final_policies(early: dict[str, list[str]]) -> list[str]:
     """`--early`'s E = 1 final policies against the first run's, seed by seed: the same win-rate and KL, or not."""
-    ones = {n: v for pts in (points(), early) for n, v in pts.items() if n.startswith(offpolicy.PREFIX) or "-e1-" in n}
+    first = {name(1, seed) for seed in SEEDS}  # the first run's E = 1: the grid's points, no epochs setting
+    ones = {n: v for pts in (points(), early) for n, v in pts.items() if n in first or "train.num_ppo_epochs=1" in v}
     rows = offpolicy.frontier_rows(offpolicy.experiments(), ones)
     final = rows[rows["fraction"] == 1.0].groupby("seed")
     same = bool((final.size() == 2).all() and (final[["win_rate_vs_sft", "kl"]].nunique() == 1).all(axis=None))
