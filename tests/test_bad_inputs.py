@@ -582,9 +582,7 @@ def test_a_prefect_server_that_does_not_answer_in_time_names_the_limit_and_is_st
 
 @pytest.mark.slow
 def test_prefect_server_gone_mid_run_fails_the_run_and_touches_nothing(prefect_server, tmp_path):
-    repo = make_dvc_repo(tmp_path / "project")
-    (repo / "dvc.yaml").write_text((repo / "dvc.yaml").read_text().split("\n  gold:")[0] + "\n")  # prepare only: fast
-    run_ok(["git", "commit", "-qam", "prepare only"], repo, prefect_server["env"])
+    repo = make_dvc_repo(tmp_path / "project", prepare_only=True)
     workspaces = tmp_path / "workspaces"
     # One client retry instead of Prefect's default 5 (which back off 2+4+8+16+32 s per call) keeps this short.
     env = {

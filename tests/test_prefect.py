@@ -591,9 +591,12 @@ def test_prefect_yaml_declares_the_served_deployments_on_a_process_pool():
 
 
 @pytest.mark.slow
-def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, repo, tmp_path):
+def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, dvc_cache, tmp_path):
     """prefect.yaml's way: a process work pool, `prefect deploy`, and a worker (on loopback here, on any machine with
-    the project checked out in general) that picks up the run and takes it to completion in its own checkout."""
+    the project checked out in general) that picks up the run and takes it to completion in its own checkout. The
+    worker's checkout runs `prepare` only: what is tested is the worker's part (the whole pipeline through a
+    deployment is test_ppo_run_completes_and_is_a_dvc_experiment's), and the pipeline cost ~50 s more here."""
+    repo = make_dvc_repo(tmp_path / "worker-checkout", dvc_cache, prepare_only=True)
     env = {**served["env"], "RLHF_PROJECT_DIR": str(repo)}  # what `make worker` sets: the worker's checkout
     shutil.copy(ROOT / "prefect.yaml", tmp_path / "prefect.yaml")
     run_ok(["prefect", "work-pool", "create", "rlhf", "--type", "process"], tmp_path, env)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -190,6 +192,29 @@ def test_a_pretrained_reward_model_is_used_as_the_proxy_and_measured_against_gol
     assert 0 <= metrics["agreement_heldout"] <= 1 and metrics["n_test"] == metrics["n_pairs"] >= 4
     saved, given = (loading.load_reward_model(d / "reward" / "model").state_dict() for d in (data, ci_stages))
     assert saved.keys() == given.keys() and all(torch.equal(saved[k], given[k]) for k in saved)
+
+
+def test_a_pretrained_reward_model_of_another_tokenizer_is_refused_in_one_line(ci_stages, tmp_path):
+    """The RM is saved and used with the SFT policy's tokenizer: one trained with another would score other words."""
+    from conftest import ci_config
+
+    from rlhf.stages import reward
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("prepared", "gold", "sft"):
+        (data / name).symlink_to(ci_stages / name)
+    other = tmp_path / "other_tokenizer"  # the same weights, two words' ids swapped: it reads other words
+    shutil.copytree(ci_stages / "reward" / "model", other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[-2:]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(
+        ValueError, match=r"reward.pretrained: .*other_tokenizer's tokenizer is not the SFT policy's \(2 of"
+    ):
+        reward.run(ci_config(data, f"reward.pretrained={other}"))
 
 
 @pytest.mark.slow

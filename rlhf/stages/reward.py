@@ -177,6 +177,30 @@ def _check_depth(cfg: Config) -> None:
         raise ValueError(f"reward.num_layers={cfg.reward.num_layers}: the SFT model in {cfg.path('sft')} has {depth}")
 
 
+def _check_vocabulary(pretrained: str, hub: bool, model, tokenizer) -> None:
+    """A pretrained RM reads the policy's token ids (it is saved and used with the SFT tokenizer): one trained with
+    another tokenizer would score other words than the policy wrote, silently. Its own tokenizer (when its folder or
+    hub repo has one) must map every token to the same id; without one, its embedding must at least cover them all."""
+    from rlhf.models.loading import load_tokenizer
+
+    rows = model.get_input_embeddings().num_embeddings
+    if rows < len(tokenizer):
+        raise ValueError(
+            f"reward.pretrained: {pretrained} embeds {rows} token ids, the SFT policy's tokenizer has {len(tokenizer)}:"
+            f" it was trained with another tokenizer"
+        )
+    if not hub and not any((Path(pretrained) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    own, policy = load_tokenizer(pretrained, hub=hub).get_vocab(), tokenizer.get_vocab()
+    if own != policy:
+        differ = len({t for t in own.keys() | policy.keys() if own.get(t) != policy.get(t)})
+        raise ValueError(
+            f"reward.pretrained: {pretrained}'s tokenizer is not the SFT policy's ({differ} of "
+            f"{len(own.keys() | policy.keys())} tokens have another id or none): it would score other words than "
+            f"the policy wrote"
+        )
+
+
 def run(cfg: Config) -> dict:
     from rlhf.data.schemas import PreferencePairs, Prompts, validate
     from rlhf.data.splits import load_split, save_splits
@@ -198,10 +222,14 @@ def run(cfg: Config) -> dict:
     judge = GoldJudge.load(cfg.path("gold"))
     tokenizer = load_tokenizer(cfg.path("sft"))
     prompts = list(load_split(cfg.path("prepared"), "reward_prompts", Prompts)["prompt"])
-    if cfg.reward.pretrained:  # nothing to train: pairs only to measure its agreement with gold
-        prompts = prompts[: max(4, int(len(prompts) * cfg.reward.eval_fraction))]
     device = runtime.device()
     _check_depth(cfg)
+    if cfg.reward.pretrained:  # nothing to train: pairs only to measure its agreement with gold; loaded and checked
+        # before the pairs are sampled, so that a bad one fails at once
+        prompts = prompts[: max(4, int(len(prompts) * cfg.reward.eval_fraction))]
+        hub = not Path(cfg.reward.pretrained).is_dir()
+        pretrained = load_reward_model(cfg.reward.pretrained, hub=hub).to(device)
+        _check_vocabulary(cfg.reward.pretrained, hub, pretrained, tokenizer)
     policy = load_causal_lm(cfg.path("sft")).to(device) if cfg.reward.engine == "hf" else None
     pairs = label_with_gold(sample_pairs(cfg, policy, tokenizer, prompts, device), judge, cfg.reward.min_gold_margin)
     if len(pairs) < 4:
@@ -209,7 +237,7 @@ def run(cfg: Config) -> dict:
     n_test = len(pairs) if cfg.reward.pretrained else max(2, int(len(pairs) * cfg.reward.eval_fraction))
     test_df, train_df = pairs.iloc[:n_test], pairs.iloc[n_test:]
     if cfg.reward.pretrained:
-        model = load_reward_model(cfg.reward.pretrained, hub=not Path(cfg.reward.pretrained).is_dir()).to(device)
+        model = pretrained
         trained = {"pretrained": cfg.reward.pretrained}
     else:
         rc = cfg.reward

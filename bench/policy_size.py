@@ -1,0 +1,178 @@
+"""The paper's Fig. 5, its policy half, on `tiny`: does a larger policy keep more of its result off-policy?
+
+The paper (Pythia 410m to 2.8b, N = 1 to 64: N mini-batches sampled with one policy, then N updates): a larger policy
+tightens the off-policy cluster, its off-policy runs land closer to its on-policy one; a larger reward model does not
+(that half is not run here). Here two policy sizes from scratch, everything else held fixed:
+  small  the `tiny` default (hidden 128, MLP 384: 1.38M parameters);
+  large  hidden 256, MLP 768 (4.46M parameters, 3.2x), the same tokenizer (trained on the same texts), SFT recipe,
+         data, RL settings and seeds;
+both trained by online DPO (the algorithm the paper found most robust; which one its Fig. 5 used is not in
+shared/reference/algorithms.md, so the choice is ours) at N = 1 and N = 16, RL seeds 3, 4, 5. The proxy reward model
+is the same for every point: the pipeline's own (`data/reward/model` as HEAD's dvc.lock has it), copied once to
+.cache/bench/policy_size/ and passed as `reward.pretrained`, so the small points too use it that way.
+
+  python bench/policy_size.py list               every point's name and settings
+  python bench/policy_size.py queue [--jobs J]   queue the missing points (bench/offpolicy.py's machinery), wait
+  python bench/policy_size.py report             bench/metrics/policy_size.{csv,md}
+
+The rule, fixed in the commit that added this file, before any point ran: a size's retention is its gain over SFT
+at N = 16 over its gain at N = 1, (win-rate - 0.5) / (win-rate - 0.5), per seed, read at the policies kept after 25%
+and 50% of the episodes (the off-policy grid's second rule: on `tiny` the final policies are past the point where the
+judge's win-rate stops rising). The paper's claim holds here if the large policy's retention, seeds averaged, is
+above the small one's by more than the seeds' spread (the larger half-range of either size's retention over the
+seeds) at both. Where a size's N = 1 policy gained no more than 0.02 over SFT its retention is undefined: no verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+
+import offpolicy
+import pandas as pd
+
+SIZES = {"small": [], "large": ["model.hidden_size=256", "model.intermediate_size=768"]}
+MINI_BATCHES = (1, 16)
+SEEDS = (3, 4, 5)
+RULE_AT = (0.25, 0.5)
+HELD = offpolicy.ROOT / ".cache" / "bench" / "policy_size"  # the held reward model and where it came from
+STEM = "policy_size"
+
+
+def points(rm=HELD / "reward_model") -> dict[str, list[str]]:
+    """Every point: ps-<size>-n<N>-s<seed> and its `-S` settings. Queue order: one large point first (it builds the
+    large SFT policy, which DVC's run cache then gives the others), the small points while it runs, the rest."""
+    pts = {
+        f"ps-{size}-n{n}-s{seed}": [
+            "train.trainer=online_dpo",
+            f"train.num_mini_batches={n}",
+            f"train.seed={seed}",
+            f"reward.pretrained={rm}",
+            *SIZES[size],
+        ]
+        for size, n, seed in itertools.product(SIZES, MINI_BATCHES, SEEDS)
+    }
+    large = [n for n in pts if n.startswith("ps-large")]
+    order = [large[0], *(n for n in pts if n.startswith("ps-small")), *large[1:]]
+    return {n: pts[n] for n in order}
+
+
+def hold_reward_model() -> None:
+    """Copy the pipeline's reward model to HELD once (it must be what HEAD's dvc.lock records), with its origin."""
+    if (HELD / "source.json").is_file():
+        return
+    if json.loads(offpolicy.dvc("status", "reward", "--json") or "{}"):
+        sys.exit("policy_size: data/reward is not what dvc.lock records; run `dvc repro reward` (or `make run`) first")
+    model = offpolicy.ROOT / "data" / "reward" / "model"
+    shutil.rmtree(HELD / "reward_model", ignore_errors=True)
+    shutil.copytree(model, HELD / "reward_model")
+    digest = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+    head = ["git", "rev-parse", "--short", "HEAD"]
+    commit = subprocess.run(head, cwd=offpolicy.ROOT, text=True, capture_output=True, check=True).stdout.strip()
+    (HELD / "source.json").write_text(json.dumps({"commit": commit, "model.safetensors sha256": digest}) + "\n")
+
+
+def frame(pts: dict[str, list[str]]) -> pd.DataFrame:
+    """Every kept policy of every point (bench/offpolicy.py's rows), the policy size as the grid's `algorithm`."""
+    exps = offpolicy.experiments()
+    if missing := [n for n in pts if n not in exps]:
+        sys.exit(f"policy_size: not run yet: {missing}; `python bench/policy_size.py queue` runs them")
+    rows = offpolicy.frontier_rows(exps, pts)
+    return rows.assign(algorithm=rows["point"].str.split("-").str[1])
+
+
+def stage_metrics(pts: dict[str, list[str]]) -> list[str]:
+    """Per size: the SFT policy's parameters and held-out loss, the held RM's agreement with gold on its samples."""
+    exps = offpolicy.experiments()
+    lines = ["| policy | parameters | SFT held-out loss | the held RM's agreement with gold on its pairs |"]
+    lines.append("|---|---|---|---|")
+    for size in SIZES:
+        rev = exps[next(n for n in pts if n.startswith(f"ps-{size}-"))]
+        sft = json.loads(offpolicy.committed(rev, "data/metrics/sft.json"))
+        rm = json.loads(offpolicy.committed(rev, "data/metrics/reward.json"))
+        lines.append(f"| {size} | {sft['n_params']:,} | {sft['heldout_loss']:.3f} | {rm['agreement_heldout']:.3f} |")
+    return lines
+
+
+def verdict(kept: pd.DataFrame) -> list[str]:
+    """The rule of the docstring: retention per size and seed at each kept policy, and the verdict at RULE_AT."""
+    lines = ["| kept policy | small: retention (seeds) | large: retention (seeds) | large - small | seeds' spread |"]
+    lines.append("|---|---|---|---|---|")
+    held = {}
+    for fraction in sorted(kept["fraction"].unique()):
+        per_seed = offpolicy.retention(kept[kept["fraction"] == fraction])
+        defined = per_seed.dropna()
+        mean, spread = offpolicy.retained(defined)
+        cells = [
+            f"{mean[s]:.2f} ({', '.join(f'{r:.2f}' for r in defined[defined['algorithm'] == s]['retention'])})"
+            if s in mean
+            else "undefined"
+            for s in SIZES
+        ]
+        if set(SIZES) <= set(mean.index) and len(defined) == len(per_seed):
+            gap = float(mean["large"] - mean["small"])
+            held[fraction] = gap > spread
+            lines.append(f"| {fraction:.0%} | {cells[0]} | {cells[1]} | {gap:+.2f} | {spread:.2f} |")
+        else:
+            lines.append(f"| {fraction:.0%} | {cells[0]} | {cells[1]} | - | - |")
+    if not all(f in held for f in RULE_AT):
+        return [*lines, "", "No verdict: a size's retention is undefined at a kept policy the rule reads."]
+    holds = all(held[f] for f in RULE_AT)
+    return [
+        *lines,
+        "",
+        f"By the rule (retention at 25% and 50%, fixed before the points ran) the paper's claim that a larger policy "
+        f"is more robust off-policy {'holds' if holds else 'does not hold'} here.",
+    ]
+
+
+def report(pts: dict[str, list[str]]) -> int:
+    rows = frame(pts)
+    kept = rows[rows["fraction"] > 0]
+    table = kept.groupby(["algorithm", "N", "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().reset_index()
+    table = table.rename(columns={"algorithm": "policy"})
+    source = json.loads((HELD / "source.json").read_text())
+    text = "\n".join(
+        [
+            f"# Policy size and off-policy robustness (the paper's Fig. 5), `tiny`, online DPO, seeds "
+            f"{', '.join(map(str, SEEDS))}",
+            "",
+            f"The held reward model: the pipeline's at commit {source['commit']} (model.safetensors sha256 "
+            f"{source['model.safetensors sha256'][:12]}).",
+            "",
+            *stage_metrics(pts),
+            "",
+            table.to_markdown(index=False, floatfmt=("g", "g", "g", ".0f", ".3f", ".2f")),
+            "",
+            *verdict(kept),
+        ]
+    )
+    offpolicy.OUT.mkdir(parents=True, exist_ok=True)
+    kept.to_csv(offpolicy.OUT / f"{STEM}.csv", index=False)
+    (offpolicy.OUT / f"{STEM}.md").write_text(text + "\n")
+    print(text + f"\n{STEM}: -> {offpolicy.OUT}/{STEM}.{{csv,md}}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["list", "queue", "report"])
+    ap.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
+    args = ap.parse_args(argv)
+    pts = points()
+    if args.command == "list":
+        print(offpolicy.point_lines(pts))
+        return 0
+    if args.command == "queue":
+        hold_reward_model()
+        return offpolicy.queue(pts, args.jobs)
+    return report(pts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
