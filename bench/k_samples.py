@@ -27,7 +27,6 @@ in every round, its elapsed seconds at the 25% policy are fewer than K = 2's at 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -119,10 +118,8 @@ def time_to_kept(rounds: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["list", "queue", "report", "time"])
+    ap = offpolicy.point_parser(__doc__, "time")
     ap.add_argument("--rounds", type=int, default=2, help="`time`: rounds of K = 2 and K = 4 in turn")
-    ap.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
     args = ap.parse_args(argv)
     pts = points()
     if args.command == "list":

@@ -310,6 +310,15 @@ def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ..
     return 0
 
 
+def point_parser(doc: str, *commands: str) -> argparse.ArgumentParser:
+    """The command line of a bench of queued points (bench/ppo_epochs.py and others): `list`, `queue`, `report` and
+    `commands`, and `--jobs`."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["list", "queue", "report", *commands])
+    ap.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)

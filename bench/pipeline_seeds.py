@@ -16,14 +16,13 @@ should give the range a user will see, and a difference between two boxes is rea
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 
 import numpy as np
 from common import cpu_flags
-from offpolicy import OUT, committed, experiments, point_lines, queue
+from offpolicy import OUT, committed, experiments, point_lines, point_parser, queue
 
 SEEDS = (1234, 1235, 1236, 1237, 1238)
 METRICS = {  # name -> (file, key)
@@ -97,9 +96,7 @@ def report(other_rev: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["list", "queue", "report"])
-    ap.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
+    ap = point_parser(__doc__)
     ap.add_argument("--other-rev", help="`report`: a commit holding another box's seed-1234 run in data/metrics")
     args = ap.parse_args(argv)
     if args.command == "list":

@@ -25,7 +25,6 @@ seeds) at both. Where a size's N = 1 policy gained no more than 0.02 over SFT it
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import json
@@ -160,9 +159,7 @@ def report(pts: dict[str, list[str]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["list", "queue", "report"])
-    ap.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
+    ap = offpolicy.point_parser(__doc__)
     args = ap.parse_args(argv)
     pts = points()
     if args.command == "list":

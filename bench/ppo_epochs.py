@@ -33,7 +33,6 @@ run's (the report says whether they do).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
@@ -132,9 +131,7 @@ def report(pts: dict[str, list[str]], early: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["list", "queue", "report"])
-    ap.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
+    ap = offpolicy.point_parser(__doc__)
     ap.add_argument("--early", action="store_true", help="the second run: policies kept from 1/16 of the episodes")
     args = ap.parse_args(argv)
     pts = points(early=args.early)
