@@ -44,8 +44,9 @@ STEM = "policy_size"
 
 
 def points(rm=HELD / "reward_model") -> dict[str, list[str]]:
-    """Every point: ps-<size>-n<N>-s<seed> and its `-S` settings. Queue order: one large point first (it builds the
-    large SFT policy, which DVC's run cache then gives the others), the small points while it runs, the rest."""
+    """Every point: ps-<size>-n<N>-s<seed> and its `-S` settings, a large point queued first. Each large point builds
+    the large SFT policy itself (8.5 min on one thread): DVC's queue restored no stage from another queued
+    experiment's run cache (seen 2026-11-28: every large point ran `sft`, all to the same held-out loss)."""
     pts = {
         f"ps-{size}-n{n}-s{seed}": [
             "train.trainer=online_dpo",

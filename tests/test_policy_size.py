@@ -15,7 +15,7 @@ import policy_size  # noqa: E402
 
 def test_the_sizes_differ_only_in_the_models_width_and_share_the_held_reward_model():
     pts = policy_size.points(rm="/held/rm")
-    assert len(pts) == 2 * 2 * 3 and next(iter(pts)).startswith("ps-large")  # the large SFT is built first
+    assert len(pts) == 2 * 2 * 3 and next(iter(pts)).startswith("ps-large")  # queued first: the longest
     for size, n, seed in [("small", 1, 3), ("large", 16, 5)]:
         settings = set(pts[f"ps-{size}-n{n}-s{seed}"])
         assert {f"train.num_mini_batches={n}", f"train.seed={seed}", "reward.pretrained=/held/rm"} <= settings
