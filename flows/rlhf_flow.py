@@ -67,11 +67,15 @@ def existing_experiments(project: Path) -> set[str]:
 
 @contextmanager
 def workspace(project: Path, name: str) -> Iterator[Path]:
-    """A temporary clone of `project` at HEAD plus its uncommitted tracked changes, DVC cache shared.
+    """A temporary clone of `project` at HEAD plus its uncommitted tracked changes, DVC cache shared, with the
+    outputs its dvc.lock records checked out of that cache.
 
     A clone (objects borrowed with --shared), not a worktree: its refs are its own, so DVC's
     refs/exps/exec/* bookkeeping during `dvc exp save` can't collide with a `dvc exp run` in the
-    checkout; only the finished experiment's ref is fetched back (save_experiment).
+    checkout; only the finished experiment's ref is fetched back (save_experiment). The checkout is what lets a
+    stage whose inputs did not change be skipped (`didn't change, skipping`): without its outputs DVC ran every
+    stage again, and its run-cache cannot stand in (it skips stages with `persist` outputs, as all of ours are).
+    An output missing from the cache is left out (--allow-missing): its stage runs.
     """
     parent = os.environ.get("RLHF_WORKSPACES")  # default: the system's temp folder
     if parent:
@@ -81,6 +85,7 @@ def workspace(project: Path, name: str) -> Iterator[Path]:
         ws = clone_at_head(project, root / "repo")
         cache_dir = run_tool(["dvc", "cache", "dir"], project).strip()
         run_tool(["dvc", "config", "--local", "cache.dir", cache_dir], ws)
+        run_tool(["dvc", "checkout", "--allow-missing", "--quiet"], ws)
         yield ws
     finally:
         shutil.rmtree(root, ignore_errors=True)

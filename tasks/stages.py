@@ -1,7 +1,8 @@
 """The pipeline's stages as Prefect tasks, derived from dvc.yaml (the one list of stages).
 
 Each task runs `dvc repro --single-item <stage>` in a run's workspace: DVC decides whether the stage is
-up to date (or restores it from the shared run-cache), records it in dvc.lock, and runs `rlhf <stage>`.
+up to date (the workspace holds the outputs its dvc.lock records: flows/rlhf_flow.py's `workspace`), runs
+`python -m rlhf.cli <stage>` if not, and records it in dvc.lock.
 The command's output streams into the task's log, so the Prefect UI shows every stage's progress.
 """
 

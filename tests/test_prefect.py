@@ -591,6 +591,27 @@ def test_prefect_yaml_declares_the_served_deployments_on_a_process_pool():
 
 
 @pytest.mark.slow
+def test_a_run_skips_the_stages_the_projects_dvc_lock_has_done(served, dvc_cache, tmp_path):
+    """The run's clone has the outputs its dvc.lock records, from the project's DVC cache: a stage whose inputs did
+    not change is skipped, as `dvc repro` skips it in the checkout (the clone ran every stage again: DVC's run-cache
+    skips stages with `persist` outputs)."""
+    repo = make_dvc_repo(tmp_path / "project", dvc_cache, prepare_only=True)
+    env = {**served["env"], "RLHF_PROJECT_DIR": str(repo), "RLHF_WORKSPACES": str(tmp_path / "workspaces")}
+    params = repo / "params.yaml"
+    params.write_text(re.sub(r"^profile: \S+", "profile: ci", params.read_text(), count=1, flags=re.M))
+    run_ok(["dvc", "repro"], repo, env)
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-qm", "the ci profile's prepare"], repo, env)
+    flow = [sys.executable, "-c", "from flows.rlhf_flow import rlhf; rlhf(trainer='ppo', profile='ci')"]
+    proc = subprocess.run(flow, cwd=repo, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "Stage 'prepare' didn't change, skipping" in out and "Running stage" not in out, out[-3000:]
+    shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
+    assert any(r["name"].startswith("ppo-") for b in shown for e in b.get("experiments") or [] for r in e["revs"])
+
+
+@pytest.mark.slow
 def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, dvc_cache, tmp_path):
     """prefect.yaml's way: a process work pool, `prefect deploy`, and a worker (on loopback here, on any machine with
     the project checked out in general) that picks up the run and takes it to completion in its own checkout. The
