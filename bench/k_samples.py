@@ -121,13 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = offpolicy.point_parser(__doc__, "time")
     ap.add_argument("--rounds", type=int, default=2, help="`time`: rounds of K = 2 and K = 4 in turn")
     args = ap.parse_args(argv)
-    pts = points()
-    if args.command == "list":
-        print(offpolicy.point_lines(pts))
-        return 0
     if args.command == "time":
         return time_to_kept(args.rounds)
-    return offpolicy.queue(pts, args.jobs) if args.command == "queue" else report(pts)
+    pts = points()
+    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts))
 
 
 if __name__ == "__main__":

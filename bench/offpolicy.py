@@ -319,6 +319,14 @@ def point_parser(doc: str, *commands: str) -> argparse.ArgumentParser:
     return ap
 
 
+def run_points(command: str, pts: dict[str, list[str]], jobs: int, report) -> int:
+    """point_parser's commands: `list` prints the points, `queue` runs the missing ones, `report` calls `report()`."""
+    if command == "list":
+        print(point_lines(pts))
+        return 0
+    return queue(pts, jobs) if command == "queue" else report()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)

@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 from common import cpu_flags
-from offpolicy import OUT, committed, experiments, point_lines, point_parser, queue
+from offpolicy import OUT, committed, experiments, point_parser, run_points
 
 SEEDS = (1234, 1235, 1236, 1237, 1238)
 METRICS = {  # name -> (file, key)
@@ -99,10 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = point_parser(__doc__)
     ap.add_argument("--other-rev", help="`report`: a commit holding another box's seed-1234 run in data/metrics")
     args = ap.parse_args(argv)
-    if args.command == "list":
-        print(point_lines(points()))
-        return 0
-    return queue(points(), args.jobs) if args.command == "queue" else report(args.other_rev)
+    return run_points(args.command, points(), args.jobs, lambda: report(args.other_rev))
 
 
 if __name__ == "__main__":

@@ -77,18 +77,16 @@ def hold_reward_model() -> None:
     (HELD / "source.json").write_text(json.dumps({"commit": commit, "model.safetensors sha256": digest}) + "\n")
 
 
-def frame(pts: dict[str, list[str]]) -> pd.DataFrame:
+def frame(exps: dict[str, str], pts: dict[str, list[str]]) -> pd.DataFrame:
     """Every kept policy of every point (bench/offpolicy.py's rows), the policy size as the grid's `algorithm`."""
-    exps = offpolicy.experiments()
     if missing := [n for n in pts if n not in exps]:
         sys.exit(f"policy_size: not run yet: {missing}; `python bench/policy_size.py queue` runs them")
     rows = offpolicy.frontier_rows(exps, pts)
     return rows.assign(algorithm=rows["point"].str.split("-").str[1])
 
 
-def stage_metrics(pts: dict[str, list[str]]) -> list[str]:
+def stage_metrics(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
     """Per size: the SFT policy's parameters and held-out loss, the held RM's agreement with gold on its samples."""
-    exps = offpolicy.experiments()
     lines = ["| policy | parameters | SFT held-out loss | the held RM's agreement with gold on its pairs |"]
     lines.append("|---|---|---|---|")
     for size in SIZES:
@@ -132,7 +130,8 @@ def verdict(kept: pd.DataFrame) -> list[str]:
 
 
 def report(pts: dict[str, list[str]]) -> int:
-    rows = frame(pts)
+    exps = offpolicy.experiments()  # `dvc exp show` over every commit: seconds, read once
+    rows = frame(exps, pts)
     kept = rows[rows["fraction"] > 0]
     table = kept.groupby(["algorithm", "N", "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().reset_index()
     table = table.rename(columns={"algorithm": "policy"})
@@ -145,7 +144,7 @@ def report(pts: dict[str, list[str]]) -> int:
             f"The held reward model: the pipeline's at commit {source['commit']} (model.safetensors sha256 "
             f"{source['model.safetensors sha256'][:12]}).",
             "",
-            *stage_metrics(pts),
+            *stage_metrics(exps, pts),
             "",
             table.to_markdown(index=False, floatfmt=("g", "g", "g", ".0f", ".3f", ".2f")),
             "",
@@ -162,14 +161,10 @@ def report(pts: dict[str, list[str]]) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = offpolicy.point_parser(__doc__)
     args = ap.parse_args(argv)
-    pts = points()
-    if args.command == "list":
-        print(offpolicy.point_lines(pts))
-        return 0
     if args.command == "queue":
         hold_reward_model()
-        return offpolicy.queue(pts, args.jobs)
-    return report(pts)
+    pts = points()
+    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts))
 
 
 if __name__ == "__main__":

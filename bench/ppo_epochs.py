@@ -135,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--early", action="store_true", help="the second run: policies kept from 1/16 of the episodes")
     args = ap.parse_args(argv)
     pts = points(early=args.early)
-    if args.command == "list":
-        print(offpolicy.point_lines(pts))
-        return 0
-    return offpolicy.queue(pts, args.jobs) if args.command == "queue" else report(pts, args.early)
+    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts, args.early))
 
 
 if __name__ == "__main__":
