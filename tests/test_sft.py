@@ -217,6 +217,32 @@ def test_a_pretrained_reward_model_of_another_tokenizer_is_refused_in_one_line(c
         reward.run(ci_config(data, f"reward.pretrained={other}"))
 
 
+def test_a_hub_reward_model_is_held_to_its_tokenizer_too(ci_stages, monkeypatch):
+    """`reward.pretrained` as a hub id (the GPU profile's, mnoukhov/pythia410m-rm-tldr6.9b): its tokenizer comes from
+    the hub, here a stand-in for the hub (no network): the same vocabulary passes, another is refused, a repo without
+    a tokenizer falls back to the embedding's size."""
+    from rlhf.stages import reward
+
+    tokenizer = loading.load_tokenizer(ci_stages / "sft")
+    model = loading.load_reward_model(ci_stages / "reward" / "model")
+    other = loading.load_tokenizer(ci_stages / "sft")
+    first, second = sorted(other.get_vocab(), key=other.get_vocab().get)[-2:]
+    swapped = {**other.get_vocab(), first: other.get_vocab()[second], second: other.get_vocab()[first]}
+    repos = {"org/same": tokenizer, "org/other": type("Tok", (), {"get_vocab": lambda self: swapped})()}
+
+    def from_hub(repo, hub=False):  # the stand-in for the hub
+        assert hub, "a hub id must be read from the hub"
+        if repo not in repos:
+            raise OSError(f"{repo} does not appear to have a file named tokenizer_config.json")
+        return repos[repo]
+
+    monkeypatch.setattr(loading, "load_tokenizer", from_hub)
+    reward._check_vocabulary("org/same", True, model, tokenizer)
+    reward._check_vocabulary("org/weights-only", True, model, tokenizer)
+    with pytest.raises(ValueError, match=r"reward.pretrained: org/other's tokenizer is not the SFT policy's \(2 of"):
+        reward._check_vocabulary("org/other", True, model, tokenizer)
+
+
 @pytest.mark.slow
 def test_a_shallow_reward_model_gets_its_head_fitted_on_pairs_vllm_sampled(ci_stages, tmp_path):
     """The smollm2 profile's reward settings at ci size: pairs from vLLM, the first layer of the SFT backbone kept as
