@@ -7,7 +7,8 @@ One run:
   2. params.yaml there gets the run's parameters (profile, train.trainer, overrides) and is validated with
      rlhf.config before any stage runs (a bad config fails at once, without retries);
   3. every dvc.yaml stage, in dependency order, as a `stage` task (`dvc repro --single-item <stage>`);
-     stages whose inputs are unchanged come back from DVC's run-cache instead of running;
+     the clone first checks out the outputs dvc.lock records from the shared cache, so a stage whose inputs
+     are unchanged is skipped instead of run again;
   4. `rlhf report` there (data/report/index.html);
   5. `dvc exp save --name <experiment>` there (the report included), and its ref fetched into the project:
      `dvc exp show` lists the run with its params and metrics, `dvc exp diff` compares it;
