@@ -108,14 +108,17 @@ def queued() -> set[str]:
     return {r.split()[1] for r in rows if re.search(r"\b(Queued|Running)\b", r) and len(r.split()) > 1}
 
 
-def queue(pts: dict[str, list[str]], jobs: int) -> int:
-    """Queue the points not run yet, start `jobs` workers, wait until the queue is empty."""
+def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None = None) -> int:
+    """Queue the points not run yet, start `jobs` workers, wait until the queue is empty. `targets`: a point's
+    last stage (`dvc exp run <stage>`: it and the stages before it), where not the whole pipeline."""
     done, waiting = set(experiments()), queued()
     todo = {name: s for name, s in pts.items() if name not in done | waiting}
     print(f"offpolicy: {len(pts)} points, {len(done & set(pts))} done, {len(todo)} to queue")
     for name, settings in todo.items():
         # `++key=value`: set the key whether params.yaml's section has it or not (Hydra's override grammar)
-        dvc("exp", "run", "--queue", "--name", name, *itertools.chain.from_iterable(("-S", f"++{s}") for s in settings))
+        overrides = itertools.chain.from_iterable(("-S", f"++{s}") for s in settings)
+        stage = [targets[name]] if targets and name in targets else []
+        dvc("exp", "run", "--queue", "--name", name, *overrides, *stage)
     if todo or waiting:  # the workers are daemons: given our stdout, they would hold it open until they end
         subprocess.run(["dvc", "queue", "start", "--jobs", str(jobs)], cwd=ROOT, stdout=subprocess.DEVNULL, check=True)
     start = time.perf_counter()

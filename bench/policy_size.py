@@ -97,11 +97,15 @@ def stage_metrics(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
     return lines
 
 
-def verdict(kept: pd.DataFrame) -> list[str]:
-    """The rule of the docstring: retention per size and seed at each kept policy, and the verdict at RULE_AT."""
-    lines = ["| kept policy | small: retention (seeds) | large: retention (seeds) | large - small | seeds' spread |"]
+def retention_table(kept: pd.DataFrame, label: str = "") -> tuple[list[str], dict[float, tuple[float, float]]]:
+    """Retention per size (`algorithm`: small, large) and seed at each kept policy: the table's lines, and where
+    both sizes' retention is defined at every seed, {fraction: (large - small, seeds' spread)}. `label` follows the
+    size in the header ("RM": small RM)."""
+    name = f" {label}" if label else ""
+    lines = [f"| kept policy | small{name}: retention (seeds) | large{name}: retention (seeds) | large - small | "]
+    lines[0] += "seeds' spread |"
     lines.append("|---|---|---|---|---|")
-    held = {}
+    gaps = {}
     for fraction in sorted(kept["fraction"].unique()):
         per_seed = offpolicy.retention(kept[kept["fraction"] == fraction])
         defined = per_seed.dropna()
@@ -113,14 +117,19 @@ def verdict(kept: pd.DataFrame) -> list[str]:
             for s in SIZES
         ]
         if set(SIZES) <= set(mean.index) and len(defined) == len(per_seed):
-            gap = float(mean["large"] - mean["small"])
-            held[fraction] = gap > spread
-            lines.append(f"| {fraction:.0%} | {cells[0]} | {cells[1]} | {gap:+.2f} | {spread:.2f} |")
+            gaps[fraction] = (float(mean["large"] - mean["small"]), spread)
+            lines.append(f"| {fraction:.0%} | {cells[0]} | {cells[1]} | {gaps[fraction][0]:+.2f} | {spread:.2f} |")
         else:
             lines.append(f"| {fraction:.0%} | {cells[0]} | {cells[1]} | - | - |")
-    if not all(f in held for f in RULE_AT):
+    return lines, gaps
+
+
+def verdict(kept: pd.DataFrame) -> list[str]:
+    """The rule of the docstring: retention per size and seed at each kept policy, and the verdict at RULE_AT."""
+    lines, gaps = retention_table(kept)
+    if not all(f in gaps for f in RULE_AT):
         return [*lines, "", "No verdict: a size's retention is undefined at a kept policy the rule reads."]
-    holds = all(held[f] for f in RULE_AT)
+    holds = all(gaps[f][0] > gaps[f][1] for f in RULE_AT)
     return [
         *lines,
         "",
