@@ -188,9 +188,11 @@ def session_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def dvc_cache(tmp_path_factory) -> Path:
-    """One DVC cache for the session's end-to-end pipeline runs (test_pipeline, the Prefect deployment run): a
-    stage one of them ran with the same code, params and inputs comes back from DVC's run-cache in the other, as it
-    would in a user's project. Tests that must see a stage really run (interrupts) keep their own cache."""
+    """One DVC cache for the session's end-to-end pipeline runs (test_pipeline, the Prefect and queue runs), as a
+    user's experiments share their project's: one copy of each output, cached once. No stage comes back from it by
+    DVC's run-cache (DVC skips that for stages with `persist` outputs, as all of ours are): a stage is skipped only
+    where a repository's dvc.lock records it and its outputs are checked out. Tests that must see a stage really run
+    (interrupts) keep their own cache."""
     return session_dir(tmp_path_factory) / "dvc-cache"
 
 

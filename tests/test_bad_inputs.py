@@ -591,8 +591,19 @@ def test_prefect_server_gone_mid_run_fails_the_run_and_touches_nothing(prefect_s
         "RLHF_WORKSPACES": str(workspaces),
         "PREFECT_CLIENT_MAX_RETRIES": "1",
     }
+    # Prefect's event client retries each event queued after the server died 10 times over ~7 s (not a setting): ~1
+    # min of this test for a `prepare`-only run (docs/reliability.md's row). Two attempts here: the same failure
+    # and messages, without the minute.
+    fewer_event_retries = (
+        "from prefect.events.clients import PrefectEventsClient; from prefect.events.worker import EventsWorker; "
+        "EventsWorker.set_client_override(PrefectEventsClient, reconnection_attempts=2); "
+    )
     flow = subprocess.Popen(
-        [sys.executable, "-c", "from flows.rlhf_flow import rlhf; rlhf(trainer='ppo', profile='ci')"],
+        [
+            sys.executable,
+            "-c",
+            fewer_event_retries + "from flows.rlhf_flow import rlhf; rlhf(trainer='ppo', profile='ci')",
+        ],
         cwd=repo,
         env=env,
         stdout=subprocess.PIPE,
