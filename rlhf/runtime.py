@@ -133,10 +133,48 @@ def threads_alone() -> int:
     A stage of a queued DVC experiment takes one: the queue runs experiments side by side (`dvc queue start -j J`),
     and two `tiny` train stages at once on 2 cores took 6-8x as long with two threads each as with one (341 against
     40 s; alone: 33 s on two threads, 39 on one; bench/shared_cores.py). Fixed, not counted at run time: the thread
-    count changes the rounding, so a run's results must not hang on what else ran beside it."""
+    count changes the rounding, so a run's results must not hang on what else ran beside it. A stage taking every
+    core while another stage runs on them (a `make run` beside DVC's queue) says so in one line: it ran ~40x slower."""
     if os.environ.get("RLHF_TORCH_THREADS"):
         return env_int("RLHF_TORCH_THREADS", 1, minimum=1)
-    return 1 if queued_from() else len(os.sched_getaffinity(0))
+    if queued_from():
+        return 1
+    threads = len(os.sched_getaffinity(0))
+    if threads > 1 and (others := other_stages()):
+        import sys
+
+        print(
+            f"rlhf: warning: {threads} torch threads, one per core, but another rlhf stage runs on these cores "
+            f"({', '.join(others)}): beside one, a stage on every core ran ~40x slower (docs/benchmarks.md); "
+            "RLHF_TORCH_THREADS=1 takes one thread (its results round differently)",
+            file=sys.stderr,
+        )
+    return threads
+
+
+def other_stages() -> list[str]:
+    """Other `rlhf` stage processes (`python -m rlhf.cli ...` or the `rlhf` script) whose cores overlap this one's,
+    as `pid <command>`; not this process nor its ancestors (`accelerate launch ... -m rlhf.cli train`)."""
+    import psutil
+
+    me = psutil.Process()
+    kin = {me.pid, *(p.pid for p in me.parents())}
+    cores = os.sched_getaffinity(0)
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "rlhf.cli" in cmd:
+            stage = cmd[cmd.index("rlhf.cli") :]
+        elif len(cmd) > 1 and Path(cmd[1]).name == "rlhf":
+            stage = ["rlhf", *cmd[2:]]
+        else:
+            continue
+        try:
+            if proc.info["pid"] not in kin and cores & set(proc.cpu_affinity()):
+                found.append(f"pid {proc.info['pid']} `{' '.join(stage)}`")
+        except psutil.Error:  # gone since, or not ours to inspect
+            continue
+    return found
 
 
 def _skip_deepspeed_shm_op() -> None:

@@ -334,6 +334,28 @@ def test_a_stage_alone_takes_a_thread_per_core_unless_told(monkeypatch):
         threads_alone()
 
 
+def test_a_stage_on_every_core_says_so_when_another_stage_runs_on_them(monkeypatch, capsys):
+    """A `make run` beside a queued experiment's stage: the stage alone takes a thread per core, and a 2-thread stage
+    beside a 1-thread one ran ~40x slower (bench/shared_cores.py). It keeps its thread count (results must not hang
+    on what runs beside) and warns in one line naming the other stage and the setting."""
+    from rlhf import runtime
+
+    monkeypatch.delenv("RLHF_TORCH_THREADS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # two cores, as on these boxes
+    # stands in for another stage: a process whose command line is `python -c ... rlhf.cli sft`
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "rlhf.cli", "sft"])
+    try:
+        assert f"pid {other.pid} `rlhf.cli sft`" in runtime.other_stages()
+        assert runtime.threads_alone() == 2
+        warning = capsys.readouterr().err
+        assert warning.count("\n") == 1 and warning.startswith("rlhf: warning: 2 torch threads")
+        assert f"pid {other.pid} `rlhf.cli sft`" in warning and "RLHF_TORCH_THREADS=1" in warning
+    finally:
+        other.kill()
+        other.wait()
+    assert f"pid {other.pid} " not in " ".join(runtime.other_stages())
+
+
 def test_a_stage_of_a_queued_dvc_experiment_takes_one_thread_and_the_repositorys_cache(monkeypatch, tmp_path):
     """DVC's queue runs experiments side by side in copies under <repo>/.dvc/tmp (DVC_ROOT names the repo): two
     `tiny` train stages at once took 6-8x as long with a thread per core each as with one. A copy's caches are the
