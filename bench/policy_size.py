@@ -77,12 +77,28 @@ def hold_reward_model() -> None:
     (HELD / "source.json").write_text(json.dumps({"commit": commit, "model.safetensors sha256": digest}) + "\n")
 
 
-def frame(exps: dict[str, str], pts: dict[str, list[str]]) -> pd.DataFrame:
-    """Every kept policy of every point (bench/offpolicy.py's rows), the policy size as the grid's `algorithm`."""
+def kept_policies(exps: dict[str, str], pts: dict[str, list[str]], stem: str, size_of) -> pd.DataFrame:
+    """Every kept policy (fraction > 0) of every point (bench/offpolicy.py's rows), `size_of(point name)` as the
+    grid's `algorithm`: small or large. A point not run yet ends the script, naming it."""
     if missing := [n for n in pts if n not in exps]:
-        sys.exit(f"policy_size: not run yet: {missing}; `python bench/policy_size.py queue` runs them")
+        sys.exit(f"{stem}: not run yet: {missing}; `python bench/{stem}.py queue` runs them")
     rows = offpolicy.frontier_rows(exps, pts)
-    return rows.assign(algorithm=rows["point"].str.split("-").str[1])
+    rows = rows.assign(algorithm=rows["point"].map(size_of))
+    return rows[rows["fraction"] > 0]
+
+
+def write_report(stem: str, kept: pd.DataFrame, size: str, head: list[str], verdict_lines: list[str]) -> int:
+    """bench/metrics/<stem>.{csv,md}: `head`, then per size (the column named `size`), N and kept policy the seeds'
+    mean episode, win-rate vs SFT and KL, then `verdict_lines`; printed too."""
+    table = kept.groupby(["algorithm", "N", "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().reset_index()
+    table = table.rename(columns={"algorithm": size})
+    floats = ("g", "g", "g", ".0f", ".3f", ".2f")
+    text = "\n".join([*head, "", table.to_markdown(index=False, floatfmt=floats), "", *verdict_lines])
+    offpolicy.OUT.mkdir(parents=True, exist_ok=True)
+    kept.to_csv(offpolicy.OUT / f"{stem}.csv", index=False)
+    (offpolicy.OUT / f"{stem}.md").write_text(text + "\n")
+    print(text + f"\n{stem}: -> {offpolicy.OUT}/{stem}.{{csv,md}}")
+    return 0
 
 
 def stage_metrics(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
@@ -140,31 +156,18 @@ def verdict(kept: pd.DataFrame) -> list[str]:
 
 def report(pts: dict[str, list[str]]) -> int:
     exps = offpolicy.experiments()  # `dvc exp show` over every commit: seconds, read once
-    rows = frame(exps, pts)
-    kept = rows[rows["fraction"] > 0]
-    table = kept.groupby(["algorithm", "N", "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().reset_index()
-    table = table.rename(columns={"algorithm": "policy"})
+    kept = kept_policies(exps, pts, STEM, lambda name: name.split("-")[1])
     source = json.loads((HELD / "source.json").read_text())
-    text = "\n".join(
-        [
-            f"# Policy size and off-policy robustness (the paper's Fig. 5), `tiny`, online DPO, seeds "
-            f"{', '.join(map(str, SEEDS))}",
-            "",
-            f"The held reward model: the pipeline's at commit {source['commit']} (model.safetensors sha256 "
-            f"{source['model.safetensors sha256'][:12]}).",
-            "",
-            *stage_metrics(exps, pts),
-            "",
-            table.to_markdown(index=False, floatfmt=("g", "g", "g", ".0f", ".3f", ".2f")),
-            "",
-            *verdict(kept),
-        ]
-    )
-    offpolicy.OUT.mkdir(parents=True, exist_ok=True)
-    kept.to_csv(offpolicy.OUT / f"{STEM}.csv", index=False)
-    (offpolicy.OUT / f"{STEM}.md").write_text(text + "\n")
-    print(text + f"\n{STEM}: -> {offpolicy.OUT}/{STEM}.{{csv,md}}")
-    return 0
+    head = [
+        f"# Policy size and off-policy robustness (the paper's Fig. 5), `tiny`, online DPO, seeds "
+        f"{', '.join(map(str, SEEDS))}",
+        "",
+        f"The held reward model: the pipeline's at commit {source['commit']} (model.safetensors sha256 "
+        f"{source['model.safetensors sha256'][:12]}).",
+        "",
+        *stage_metrics(exps, pts),
+    ]
+    return write_report(STEM, kept, "policy", head, verdict(kept))
 
 
 def main(argv: list[str] | None = None) -> int:

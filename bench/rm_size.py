@@ -87,14 +87,6 @@ def queue(jobs: int) -> int:
     return offpolicy.queue(points(), jobs)
 
 
-def frame(exps: dict[str, str], pts: dict[str, list[str]]) -> pd.DataFrame:
-    """Every kept policy of every point (bench/offpolicy.py's rows), the reward model's size as `algorithm`."""
-    if missing := [n for n in pts if n not in exps]:
-        sys.exit(f"rm_size: not run yet: {missing}; `python bench/rm_size.py queue` runs them")
-    rows = offpolicy.frontier_rows(exps, pts)
-    return rows.assign(algorithm=rows["point"].map(lambda n: "small" if n.startswith("ps-small-") else "large"))
-
-
 def reward_models(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
     """Per size: the SFT policy it was initialised from (parameters), its agreement with gold on held-out pairs of
     that policy (as trained) and on held-out pairs of the small SFT policy (each size's points' `reward` stage)."""
@@ -149,27 +141,14 @@ def verdict(kept: pd.DataFrame) -> list[str]:
 
 def report(pts: dict[str, list[str]]) -> int:
     exps = offpolicy.experiments()  # `dvc exp show` over every commit: seconds, read once
-    rows = frame(exps, pts)
-    kept = rows[rows["fraction"] > 0]
-    table = kept.groupby(["algorithm", "N", "fraction"])[["episode", "win_rate_vs_sft", "kl"]].mean().reset_index()
-    table = table.rename(columns={"algorithm": "reward model"})
-    text = "\n".join(
-        [
-            f"# Reward-model size and off-policy robustness (the paper's Fig. 5), `tiny`, online DPO, the small "
-            f"policy, seeds {', '.join(map(str, policy_size.SEEDS))}",
-            "",
-            *reward_models(exps, pts),
-            "",
-            table.to_markdown(index=False, floatfmt=("g", "g", "g", ".0f", ".3f", ".2f")),
-            "",
-            *verdict(kept),
-        ]
-    )
-    offpolicy.OUT.mkdir(parents=True, exist_ok=True)
-    kept.to_csv(offpolicy.OUT / f"{STEM}.csv", index=False)
-    (offpolicy.OUT / f"{STEM}.md").write_text(text + "\n")
-    print(text + f"\n{STEM}: -> {offpolicy.OUT}/{STEM}.{{csv,md}}")
-    return 0
+    kept = policy_size.kept_policies(exps, pts, STEM, lambda name: "small" if name.startswith("ps-small-") else "large")
+    head = [
+        f"# Reward-model size and off-policy robustness (the paper's Fig. 5), `tiny`, online DPO, the small policy, "
+        f"seeds {', '.join(map(str, policy_size.SEEDS))}",
+        "",
+        *reward_models(exps, pts),
+    ]
+    return policy_size.write_report(STEM, kept, "reward model", head, verdict(kept))
 
 
 def main(argv: list[str] | None = None) -> int:
