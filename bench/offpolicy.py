@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import yaml
 
 ROOT = Path.cwd()  # the DVC project: `make offpolicy` runs in this one; a test runs it in a copy
 ALGORITHMS = ("ppo", "rloo", "online_dpo", "bok")  # bok: best-of-2 SFT, the paper's control for DPO's two samples
@@ -51,6 +52,7 @@ ASYNC_ALGORITHMS = ("online_dpo", "rloo")
 TIS_CAP = 2.0  # truncation of the per-sequence importance weight pi_learner / pi_engine (rlhf/trainers/loop.py)
 EARLY = (0.25, 0.5)  # the second rule's kept policies (fractions of the budget)
 MIN_GAIN = 0.02  # a win-rate vs SFT at N = 1 within this of 0.5 is no gain: its retention is undefined
+INPUTS = ("prepare", "gold", "sft", "reward")  # the stages before `train`: what a point trains on, not what it varies
 PREFIX = "op"  # experiment names: op-<algorithm>-n<N>-s<seed>, op-async-<algorithm>-S<S>[-tis]-s<seed>
 OUT = ROOT / "bench" / "metrics"
 
@@ -138,9 +140,38 @@ def committed(rev: str, path: str) -> str:
     return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, text=True, capture_output=True, check=True).stdout
 
 
-def frontier_rows(exps: dict[str, str], pts: dict[str, list[str]]) -> pd.DataFrame:
+def input_hashes(rev: str) -> dict[str, str]:
+    """Each INPUTS stage's output folders (data/prepared, data/sft, ...) as experiment revision `rev`'s dvc.lock
+    records them: stage -> their md5s."""
+    stages = yaml.safe_load(committed(rev, "dvc.lock"))["stages"]
+    return {
+        s: " ".join(o["md5"] for o in stages[s]["outs"] if o["md5"].endswith(".dir")) for s in INPUTS if s in stages
+    }
+
+
+def check_same_inputs(exps: dict[str, str], pts: dict[str, list[str]], varied: dict | None = None) -> None:
+    """Exit, naming two points, if finished points trained on other INPUTS outputs: e.g. queued before and after a
+    change to the stages' code, the later ones rebuilt the SFT policy on one thread (other rounding). varied: stage
+    -> a function of the point's name whose value the stage's outputs may differ by (a bench varying the SFT policy's
+    size: its size); every other stage must be the same for all."""
+    first: dict[tuple[str, str], tuple[str, str]] = {}  # (stage, group) -> the first point seen and its md5s
+    for name in (n for n in pts if n in exps):
+        for stage, md5 in input_hashes(exps[name]).items():
+            group = (varied or {}).get(stage, lambda _: "")(name)
+            other, expected = first.setdefault((stage, group), (name, md5))
+            if md5 != expected:
+                sys.exit(
+                    f"bench: points {other} and {name} trained on other `{stage}` outputs ({expected[:7]} against "
+                    f"{md5[:7]}: queued from other dvc.locks?), so they are not comparable; `dvc exp remove` the "
+                    "stale ones, `make run`, commit dvc.lock and queue them again"
+                )
+
+
+def frontier_rows(exps: dict[str, str], pts: dict[str, list[str]], varied: dict | None = None) -> pd.DataFrame:
     """One row per kept policy (data/plots/frontier.csv, read from each experiment's commit) of every finished
-    point, with the point's settings: algorithm, N, S (0 = synchronous), tis_cap, seed."""
+    point, with the point's settings: algorithm, N, S (0 = synchronous), tis_cap, seed. The points must have
+    trained on the same inputs but where `varied` says (check_same_inputs)."""
+    check_same_inputs(exps, pts, varied)
     frames = []
     for name in (n for n in pts if n in exps):
         settings = dict(s.split("=", 1) for s in pts[name])

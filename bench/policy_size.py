@@ -77,12 +77,13 @@ def hold_reward_model() -> None:
     (HELD / "source.json").write_text(json.dumps({"commit": commit, "model.safetensors sha256": digest}) + "\n")
 
 
-def kept_policies(exps: dict[str, str], pts: dict[str, list[str]], stem: str, size_of) -> pd.DataFrame:
+def kept_policies(exps: dict[str, str], pts: dict[str, list[str]], stem: str, size_of, varied: tuple) -> pd.DataFrame:
     """Every kept policy (fraction > 0) of every point (bench/offpolicy.py's rows), `size_of(point name)` as the
-    grid's `algorithm`: small or large. A point not run yet ends the script, naming it."""
+    grid's `algorithm`: small or large; the `varied` stages' outputs may differ by size, no other. A point not run
+    yet ends the script, naming it."""
     if missing := [n for n in pts if n not in exps]:
         sys.exit(f"{stem}: not run yet: {missing}; `python bench/{stem}.py queue` runs them")
-    rows = offpolicy.frontier_rows(exps, pts)
+    rows = offpolicy.frontier_rows(exps, pts, {stage: size_of for stage in varied})
     rows = rows.assign(algorithm=rows["point"].map(size_of))
     return rows[rows["fraction"] > 0]
 
@@ -156,7 +157,8 @@ def verdict(kept: pd.DataFrame) -> list[str]:
 
 def report(pts: dict[str, list[str]]) -> int:
     exps = offpolicy.experiments()  # `dvc exp show` over every commit: seconds, read once
-    kept = kept_policies(exps, pts, STEM, lambda name: name.split("-")[1])
+    # the SFT policy is the size; the reward stage measures the held RM on that policy's pairs
+    kept = kept_policies(exps, pts, STEM, lambda name: name.split("-")[1], varied=("sft", "reward"))
     source = json.loads((HELD / "source.json").read_text())
     head = [
         f"# Policy size and off-policy robustness (the paper's Fig. 5), `tiny`, online DPO, seeds "

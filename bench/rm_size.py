@@ -87,6 +87,11 @@ def queue(jobs: int) -> int:
     return offpolicy.queue(points(), jobs)
 
 
+def reward_model_size(name: str) -> str:
+    """A point's reward model: small (bench/policy_size.py's ps-small-* points) or large (rs-large-*)."""
+    return "small" if name.startswith("ps-small-") else "large"
+
+
 def reward_models(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
     """Per size: the SFT policy it was initialised from (parameters), its agreement with gold on held-out pairs of
     that policy (as trained) and on held-out pairs of the small SFT policy (each size's points' `reward` stage)."""
@@ -141,7 +146,7 @@ def verdict(kept: pd.DataFrame) -> list[str]:
 
 def report(pts: dict[str, list[str]]) -> int:
     exps = offpolicy.experiments()  # `dvc exp show` over every commit: seconds, read once
-    kept = policy_size.kept_policies(exps, pts, STEM, lambda name: "small" if name.startswith("ps-small-") else "large")
+    kept = policy_size.kept_policies(exps, pts, STEM, reward_model_size, varied=("reward",))  # one SFT policy for all
     head = [
         f"# Reward-model size and off-policy robustness (the paper's Fig. 5), `tiny`, online DPO, the small policy, "
         f"seeds {', '.join(map(str, policy_size.SEEDS))}",

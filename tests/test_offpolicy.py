@@ -103,3 +103,24 @@ def test_points_run_through_the_dvc_queue_once_and_reach_the_tables(tmp_path, dv
     assert frame["win_rate_vs_sft"].between(0, 1).all()
     assert (repo / "bench" / "metrics" / "offpolicy.png").read_bytes()[:4] == b"\x89PNG"
     assert subprocess.run([*script, "queue", "--only", "op-nope"], cwd=repo, env=env).returncode != 0
+
+
+def test_points_trained_on_other_inputs_are_refused_naming_two_of_them(monkeypatch):
+    """A point queued after a change to the stages' code rebuilt the SFT policy (one thread: other rounding): its
+    results are not comparable with the points before it (seen 2026-11-28, bench/rm_size.py). A bench that varies a
+    stage on purpose (the policy's size) says by what; every other stage must be the same for all points."""
+    hashes = {
+        "ps-small-1": {"prepare": "p.dir", "sft": "small.dir", "reward": "rm-small.dir"},
+        "ps-small-2": {"prepare": "p.dir", "sft": "small.dir", "reward": "rm-small.dir"},
+        "ps-large-1": {"prepare": "p.dir", "sft": "large.dir", "reward": "rm-large.dir"},
+        "rs-late-1": {"prepare": "p.dir", "sft": "small-rebuilt.dir", "reward": "rm-small.dir"},
+    }
+    monkeypatch.setattr(offpolicy, "input_hashes", lambda rev: hashes[rev])
+    exps = {name: name for name in hashes}  # name -> revision (input_hashes reads it)
+    size = {"sft": lambda n: n.split("-")[1], "reward": lambda n: n.split("-")[1]}
+    offpolicy.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "ps-small-2", "ps-large-1")}, size)
+    with pytest.raises(SystemExit, match=r"points ps-small-1 and ps-large-1 trained on other `sft` outputs"):
+        offpolicy.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "ps-large-1")})  # nothing varied
+    with pytest.raises(SystemExit, match=r"ps-small-1 and rs-late-1 trained on other `sft` outputs \(small\.d"):
+        offpolicy.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "rs-late-1")}, {"reward": size["reward"]})
+    offpolicy.check_same_inputs(exps, {"ps-small-1": [], "not-run-yet": []})  # a point not run yet is not read
