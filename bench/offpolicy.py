@@ -116,6 +116,12 @@ def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None =
     done, waiting = set(experiments()), queued()
     todo = {name: s for name, s in pts.items() if name not in done | waiting}
     print(f"offpolicy: {len(pts)} points, {len(done & set(pts))} done, {len(todo)} to queue")
+    if todo and done & set(pts) and (stale := sorted(set(json.loads(dvc("status", "--json") or "{}")) & set(INPUTS))):
+        sys.exit(
+            f"offpolicy: {', '.join(stale)}: not what dvc.lock records (`dvc status`), so each point queued now would "
+            f"build it again, unlike the {len(done & set(pts))} already run (check_same_inputs); `make run`, commit "
+            "dvc.lock, then queue"
+        )
     for name, settings in todo.items():
         # `++key=value`: set the key whether params.yaml's section has it or not (Hydra's override grammar)
         overrides = itertools.chain.from_iterable(("-S", f"++{s}") for s in settings)

@@ -124,3 +124,20 @@ def test_points_trained_on_other_inputs_are_refused_naming_two_of_them(monkeypat
     with pytest.raises(SystemExit, match=r"ps-small-1 and rs-late-1 trained on other `sft` outputs \(small\.d"):
         offpolicy.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "rs-late-1")}, {"reward": size["reward"]})
     offpolicy.check_same_inputs(exps, {"ps-small-1": [], "not-run-yet": []})  # a point not run yet is not read
+
+
+def test_no_point_is_queued_from_a_stale_dvc_lock_once_points_have_run(monkeypatch):
+    """Queued from a workspace whose sft stage is not what dvc.lock records, every new point would rebuild it and be
+    refused by check_same_inputs an hour later: refused at once instead, before anything is queued."""
+    calls = []
+
+    def dvc(*args):
+        calls.append(args)
+        return json.dumps({"sft": [{"changed deps": {"rlhf/runtime.py": "modified"}}], "train": []})
+
+    monkeypatch.setattr(offpolicy, "dvc", dvc)
+    monkeypatch.setattr(offpolicy, "experiments", lambda: {"op-a": "rev"})
+    monkeypatch.setattr(offpolicy, "queued", set)
+    with pytest.raises(SystemExit, match=r"offpolicy: sft: not what dvc.lock records .* unlike the 1 already run"):
+        offpolicy.queue({"op-a": [], "op-b": ["train.seed=2"]}, jobs=1)
+    assert calls == [("status", "--json")]  # nothing queued
