@@ -110,6 +110,17 @@ def queued() -> set[str]:
     return {r.split()[1] for r in rows if re.search(r"\b(Queued|Running)\b", r) and len(r.split()) > 1}
 
 
+def active_workers() -> int:
+    """DVC's queue workers running (`dvc queue status`'s `Worker status: N active, M idle`)."""
+    found = re.search(r"Worker status: (\d+) active", dvc("queue", "status"))
+    return int(found.group(1)) if found else 0
+
+
+def start_workers(jobs: int) -> None:
+    """`dvc queue start --jobs J`; the workers are daemons: given our stdout, they would hold it open until they end."""
+    subprocess.run(["dvc", "queue", "start", "--jobs", str(jobs)], cwd=ROOT, stdout=subprocess.DEVNULL, check=True)
+
+
 def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None = None) -> int:
     """Queue the points not run yet, start `jobs` workers, wait until the queue is empty. `targets`: a point's
     last stage (`dvc exp run <stage>`: it and the stages before it), where not the whole pipeline."""
@@ -127,11 +138,16 @@ def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None =
         overrides = itertools.chain.from_iterable(("-S", f"++{s}") for s in settings)
         stage = [targets[name]] if targets and name in targets else []
         dvc("exp", "run", "--queue", "--name", name, *overrides, *stage)
-    if todo or waiting:  # the workers are daemons: given our stdout, they would hold it open until they end
-        subprocess.run(["dvc", "queue", "start", "--jobs", str(jobs)], cwd=ROOT, stdout=subprocess.DEVNULL, check=True)
-    start = time.perf_counter()
+    if todo or waiting:
+        start_workers(jobs)
+    start, idle_polls = time.perf_counter(), 0
     while left := queued() & set(pts):  # other experiments in the queue are not ours to wait for
         print(f"offpolicy: {len(left)} queued or running, {time.perf_counter() - start:.0f} s", flush=True)
+        idle_polls = idle_polls + 1 if active_workers() == 0 else 0
+        if idle_polls == 2:  # stopped (`dvc queue stop` ends the workers after their task): ours would wait forever
+            print("offpolicy: no queue worker for 30 s (`dvc queue stop`?): starting them again", flush=True)
+            start_workers(jobs)
+            idle_polls = 0
         time.sleep(30)
     failed = [n for n in pts if n not in experiments()]
     print(f"offpolicy: queue empty after {time.perf_counter() - start:.0f} s; {len(failed)} point(s) failed {failed}")

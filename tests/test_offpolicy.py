@@ -141,3 +141,18 @@ def test_no_point_is_queued_from_a_stale_dvc_lock_once_points_have_run(monkeypat
     with pytest.raises(SystemExit, match=r"offpolicy: sft: not what dvc.lock records .* unlike the 1 already run"):
         offpolicy.queue({"op-a": [], "op-b": ["train.seed=2"]}, jobs=1)
     assert calls == [("status", "--json")]  # nothing queued
+
+
+def test_waiting_points_get_workers_again_when_dvc_queue_stop_ended_them(monkeypatch):
+    """`dvc queue stop` ends the workers once their task is done; points still queued would then wait forever (seen
+    2026-11-28): after two polls without a worker the queue's workers are started again."""
+    polls = iter([{"op-a"}] * 5 + [set()])
+    started = []
+    monkeypatch.setattr(offpolicy, "experiments", lambda: {"op-a": "rev"} if started[1:] else {})
+    monkeypatch.setattr(offpolicy, "queued", lambda: next(polls) if started else set())
+    monkeypatch.setattr(offpolicy, "dvc", lambda *args: "")  # `dvc exp run --queue`: queued
+    monkeypatch.setattr(offpolicy, "active_workers", lambda: 0)
+    monkeypatch.setattr(offpolicy, "start_workers", started.append)
+    monkeypatch.setattr(offpolicy.time, "sleep", lambda seconds: None)
+    assert offpolicy.queue({"op-a": []}, jobs=2) == 0
+    assert started == [2, 2, 2]  # at the start, then after polls 2 and 4 without a worker
