@@ -134,7 +134,7 @@ def threads_alone() -> int:
     and two `tiny` train stages at once on 2 cores took 6-8x as long with two threads each as with one (341 against
     40 s; alone: 33 s on two threads, 39 on one; bench/shared_cores.py). Fixed, not counted at run time: the thread
     count changes the rounding, so a run's results must not hang on what else ran beside it. A stage taking every
-    core while another stage runs on them (a `make run` beside DVC's queue) says so in one line: it ran ~40x slower."""
+    core while another stage runs on them (a `make run` beside DVC's queue) says so in one line: it ran 4-40x slower."""
     if os.environ.get("RLHF_TORCH_THREADS"):
         return env_int("RLHF_TORCH_THREADS", 1, minimum=1)
     if queued_from():
@@ -145,7 +145,7 @@ def threads_alone() -> int:
 
         print(
             f"rlhf: warning: {threads} torch threads, one per core, but another rlhf stage runs on these cores "
-            f"({', '.join(others)}): beside one, a stage on every core ran ~40x slower (docs/benchmarks.md); "
+            f"({', '.join(others)}): beside one, a stage on every core ran 4-40x slower (docs/benchmarks.md); "
             "RLHF_TORCH_THREADS=1 takes one thread (its results round differently)",
             file=sys.stderr,
         )

@@ -336,7 +336,7 @@ def test_a_stage_alone_takes_a_thread_per_core_unless_told(monkeypatch):
 
 def test_a_stage_on_every_core_says_so_when_another_stage_runs_on_them(monkeypatch, capsys):
     """A `make run` beside a queued experiment's stage: the stage alone takes a thread per core, and a 2-thread stage
-    beside a 1-thread one ran ~40x slower (bench/shared_cores.py). It keeps its thread count (results must not hang
+    beside a 1-thread one ran 4-40x slower (docs/benchmarks.md). It keeps its thread count (results must not hang
     on what runs beside) and warns in one line naming the other stage and the setting."""
     from rlhf import runtime
 
