@@ -121,13 +121,17 @@ def start_workers(jobs: int) -> None:
     subprocess.run(["dvc", "queue", "start", "--jobs", str(jobs)], cwd=ROOT, stdout=subprocess.DEVNULL, check=True)
 
 
-def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None = None) -> int:
+def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None = None, shared=INPUTS) -> int:
     """Queue the points not run yet, start `jobs` workers, wait until the queue is empty. `targets`: a point's
-    last stage (`dvc exp run <stage>`: it and the stages before it), where not the whole pipeline."""
+    last stage (`dvc exp run <stage>`: it and the stages before it), where not the whole pipeline. `shared`: the
+    stages whose outputs the points share (none where each point builds its own, e.g. a seed of the whole pipeline);
+    not queued while one of them is not what dvc.lock records and points have run."""
     done, waiting = set(experiments()), queued()
     todo = {name: s for name, s in pts.items() if name not in done | waiting}
     print(f"offpolicy: {len(pts)} points, {len(done & set(pts))} done, {len(todo)} to queue")
-    if todo and done & set(pts) and (stale := sorted(set(json.loads(dvc("status", "--json") or "{}")) & set(INPUTS))):
+    ran = shared and todo and done & set(pts)
+    stale = sorted(set(json.loads(dvc("status", "--json") or "{}")) & set(shared)) if ran else []
+    if stale:
         sys.exit(
             f"offpolicy: {', '.join(stale)}: not what dvc.lock records (`dvc status`), so each point queued now would "
             f"build it again, unlike the {len(done & set(pts))} already run (check_same_inputs); `make run`, commit "
@@ -375,12 +379,13 @@ def point_parser(doc: str, *commands: str) -> argparse.ArgumentParser:
     return ap
 
 
-def run_points(command: str, pts: dict[str, list[str]], jobs: int, report) -> int:
-    """point_parser's commands: `list` prints the points, `queue` runs the missing ones, `report` calls `report()`."""
+def run_points(command: str, pts: dict[str, list[str]], jobs: int, report, shared=INPUTS) -> int:
+    """point_parser's commands: `list` prints the points, `queue` runs the missing ones (`shared`: queue's),
+    `report` calls `report()`."""
     if command == "list":
         print(point_lines(pts))
         return 0
-    return queue(pts, jobs) if command == "queue" else report()
+    return queue(pts, jobs, shared=shared) if command == "queue" else report()
 
 
 def main(argv: list[str] | None = None) -> int:

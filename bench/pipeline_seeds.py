@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = point_parser(__doc__)
     ap.add_argument("--other-rev", help="`report`: a commit holding another box's seed-1234 run in data/metrics")
     args = ap.parse_args(argv)
-    return run_points(args.command, points(), args.jobs, lambda: report(args.other_rev))
+    # each seed builds every stage itself: no stage's outputs are shared
+    return run_points(args.command, points(), args.jobs, lambda: report(args.other_rev), shared=())
 
 
 if __name__ == "__main__":

@@ -141,6 +141,11 @@ def test_no_point_is_queued_from_a_stale_dvc_lock_once_points_have_run(monkeypat
     with pytest.raises(SystemExit, match=r"offpolicy: sft: not what dvc.lock records .* unlike the 1 already run"):
         offpolicy.queue({"op-a": [], "op-b": ["train.seed=2"]}, jobs=1)
     assert calls == [("status", "--json")]  # nothing queued
+    # points that build every stage themselves (bench/pipeline_seeds.py: a seed each) share none: queued
+    monkeypatch.setattr(offpolicy, "start_workers", lambda jobs: None)
+    calls.clear()
+    assert offpolicy.queue({"op-a": [], "op-b": ["seed=2"]}, jobs=1, shared=()) == 1  # op-b: not run here
+    assert calls[0][:3] == ("exp", "run", "--queue") and ("status", "--json") not in calls
 
 
 def test_waiting_points_get_workers_again_when_dvc_queue_stop_ended_them(monkeypatch):
