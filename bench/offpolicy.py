@@ -352,9 +352,10 @@ def verdict(mean: pd.Series, spread: float) -> str:
     )
 
 
-def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ...] = SEEDS) -> int:
+def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ...] = SEEDS, replace=False) -> int:
     """bench/metrics/offpolicy.csv (every kept policy), offpolicy.md (the tables), offpolicy.png (the figure); other
-    seeds than the default grid's write offpolicy_seeds<a>-<b>.* beside them."""
+    seeds than the default grid's write offpolicy_seeds<a>-<b>.* beside them. Tables that hold points this project
+    has not run (committed from another machine) are kept unless `replace`."""
     from rlhf.report import offpolicy_png
 
     frame = frontier_rows(exps, pts)
@@ -362,6 +363,13 @@ def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ..
         sys.exit("offpolicy: no finished point yet: run `make offpolicy` (or `python bench/offpolicy.py queue`)")
     OUT.mkdir(parents=True, exist_ok=True)
     stem = "offpolicy" if seeds == SEEDS else f"offpolicy_seeds{'-'.join(map(str, seeds))}"
+    before = OUT / f"{stem}.csv"
+    dropped = sorted(set(pd.read_csv(before)["point"]) - set(frame["point"])) if before.is_file() else []
+    if dropped and not replace:
+        sys.exit(
+            f"offpolicy: {before} holds {len(dropped)} point(s) not among this project's finished experiments (e.g. "
+            f"{dropped[0]}): a report now would drop them; `queue` runs them here, `report --replace` writes without"
+        )
     frame.to_csv(OUT / f"{stem}.csv", index=False)
     text = tables(frame)
     (OUT / f"{stem}.md").write_text(text)
@@ -395,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     q = sub.add_parser("queue", help="queue the missing points and run them")
     q.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
     r = sub.add_parser("report", help="the table and the figures")
+    r.add_argument("--replace", action="store_true", help="write the tables even where they drop points they hold")
     for p in (listing, q, r):
         p.add_argument("--only", help="comma-separated point names (default: every point)")
         p.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="RL seeds of the grid (default: 1,2)")
@@ -412,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print(point_lines(pts))
         return 0
-    return queue(pts, args.jobs) if args.command == "queue" else report(experiments(), pts, seeds)
+    return queue(pts, args.jobs) if args.command == "queue" else report(experiments(), pts, seeds, args.replace)
 
 
 if __name__ == "__main__":

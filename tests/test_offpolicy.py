@@ -161,3 +161,18 @@ def test_waiting_points_get_workers_again_when_dvc_queue_stop_ended_them(monkeyp
     monkeypatch.setattr(offpolicy.time, "sleep", lambda seconds: None)
     assert offpolicy.queue({"op-a": []}, jobs=2) == 0
     assert started == [2, 2, 2]  # at the start, then after polls 2 and 4 without a worker
+
+
+def test_a_report_keeps_the_points_its_committed_tables_hold_unless_told(monkeypatch, tmp_path):
+    """bench/metrics/offpolicy*.csv are committed results, run on another machine: a report over the two points a
+    fresh clone ran replaced them silently (seen 2026-11-28, `report --seeds 3,4`). It now refuses, naming one."""
+    monkeypatch.setattr(offpolicy, "OUT", tmp_path)
+    held = _final({("ppo", 1, 1): 0.7, ("ppo", 16, 1): 0.6})
+    held.to_csv(tmp_path / "offpolicy.csv", index=False)
+    ran_here = held[held["point"] == "ppo-1-1"]
+    monkeypatch.setattr(offpolicy, "frontier_rows", lambda exps, pts: ran_here)
+    with pytest.raises(SystemExit, match=r"holds 1 point\(s\) not among .* \(e\.g\. ppo-16-1\).*report --replace"):
+        offpolicy.report({}, {})
+    assert len(pd.read_csv(tmp_path / "offpolicy.csv")) == 2 and not (tmp_path / "offpolicy.md").exists()
+    assert offpolicy.report({}, {}, replace=True) == 0
+    assert list(pd.read_csv(tmp_path / "offpolicy.csv")["point"]) == ["ppo-1-1"]
