@@ -110,6 +110,11 @@ def queued() -> set[str]:
     return {r.split()[1] for r in rows if re.search(r"\b(Queued|Running)\b", r) and len(r.split()) > 1}
 
 
+def stale(stages) -> list[str]:
+    """Those of `stages` whose inputs or outputs are not what the workspace's dvc.lock records (`dvc status`)."""
+    return sorted(set(json.loads(dvc("status", "--json") or "{}")) & set(stages))
+
+
 def active_workers() -> int:
     """DVC's queue workers running (`dvc queue status`'s `Worker status: N active, M idle`)."""
     found = re.search(r"Worker status: (\d+) active", dvc("queue", "status"))
@@ -128,13 +133,12 @@ def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None =
     not queued while one of them is not what dvc.lock records and points have run."""
     done, waiting = set(experiments()), queued()
     todo = {name: s for name, s in pts.items() if name not in done | waiting}
-    print(f"offpolicy: {len(pts)} points, {len(done & set(pts))} done, {len(todo)} to queue")
-    ran = shared and todo and done & set(pts)
-    stale = sorted(set(json.loads(dvc("status", "--json") or "{}")) & set(shared)) if ran else []
-    if stale:
+    ran = done & set(pts)
+    print(f"offpolicy: {len(pts)} points, {len(ran)} done, {len(todo)} to queue")
+    if shared and todo and ran and (changed := stale(shared)):
         sys.exit(
-            f"offpolicy: {', '.join(stale)}: not what dvc.lock records (`dvc status`), so each point queued now would "
-            f"build it again, unlike the {len(done & set(pts))} already run (check_same_inputs); `make run`, commit "
+            f"offpolicy: {', '.join(changed)}: not what dvc.lock records (`dvc status`), so each point queued now "
+            f"would build it again, unlike the {len(ran)} already run (check_same_inputs); `make run`, commit "
             "dvc.lock, then queue"
         )
     for name, settings in todo.items():

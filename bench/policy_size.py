@@ -66,7 +66,7 @@ def hold_reward_model() -> None:
     """Copy the pipeline's reward model to HELD once (it must be what HEAD's dvc.lock records), with its origin."""
     if (HELD / "source.json").is_file():
         return
-    if json.loads(offpolicy.dvc("status", "reward", "--json") or "{}"):
+    if offpolicy.stale(["reward"]):
         sys.exit("policy_size: data/reward is not what dvc.lock records; run `dvc repro reward` (or `make run`) first")
     model = offpolicy.ROOT / "data" / "reward" / "model"
     shutil.rmtree(HELD / "reward_model", ignore_errors=True)

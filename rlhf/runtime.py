@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -141,8 +142,6 @@ def threads_alone() -> int:
         return 1
     threads = len(os.sched_getaffinity(0))
     if threads > 1 and (others := other_stages()):
-        import sys
-
         print(
             f"rlhf: warning: {threads} torch threads, one per core, but another rlhf stage runs on these cores "
             f"({', '.join(others)}): beside one, a stage on every core ran 4-40x slower (docs/benchmarks.md); "
@@ -301,7 +300,6 @@ def main(argv: list[str] | None = None) -> None:
     With no CMD, print the environment as `export` lines (`eval "$(python -m rlhf.runtime)"`).
     """
     import shlex
-    import sys
 
     argv = sys.argv[1:] if argv is None else argv
     # No torch here: its settings belong to the process that imports it (rlhf.cli's stages set them), and importing

@@ -23,13 +23,14 @@ def test_the_sizes_differ_only_in_the_models_width_and_share_the_held_reward_mod
     assert large - small == {"model.hidden_size=256", "model.intermediate_size=768"} and small < large
 
 
-def kept(wins: dict[tuple[str, int], list[float]]) -> pd.DataFrame:
-    """Kept-policy rows at 25%, 50% and 100%: (size, N) -> win-rate vs SFT per seed, the same at every fraction."""
+def kept(wins: dict[tuple[str, int], list[float]], kl=None, fractions=(0.25, 0.5, 1.0)) -> pd.DataFrame:
+    """Kept-policy rows at `fractions`: (size, N) -> win-rate vs SFT per seed, the same at every fraction; `kl`:
+    size -> KL per seed (default 1)."""
     rows = [
-        {"algorithm": size, "N": n, "S": 0, "seed": seed, "fraction": f, "win_rate_vs_sft": w}
+        {"algorithm": size, "N": n, "S": 0, "seed": seed, "fraction": f, "win_rate_vs_sft": w, "kl": k}
         for (size, n), per_seed in wins.items()
-        for seed, w in zip(policy_size.SEEDS, per_seed)
-        for f in (0.25, 0.5, 1.0)
+        for seed, w, k in zip(policy_size.SEEDS, per_seed, (kl or {}).get(size, [1.0] * len(per_seed)))
+        for f in fractions
     ]
     return pd.DataFrame(rows)
 

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import policy_size  # noqa: E402
 import rm_size  # noqa: E402
+import test_policy_size  # noqa: E402
 
 
 def test_the_reward_model_sizes_differ_only_in_the_reward_model_and_reuse_the_policy_size_points():
@@ -26,15 +27,8 @@ def test_the_reward_model_sizes_differ_only_in_the_reward_model_and_reuse_the_po
 
 
 def kept(wins: dict[tuple[str, int], list[float]], kl: dict[str, list[float]]) -> pd.DataFrame:
-    """Kept-policy rows at 25%, 50%, 75% and 100%: (size, N) -> win-rate vs SFT per seed (the same at every
-    fraction), size -> KL per seed."""
-    rows = [
-        {"algorithm": size, "N": n, "S": 0, "seed": seed, "fraction": f, "win_rate_vs_sft": w, "kl": k}
-        for (size, n), per_seed in wins.items()
-        for seed, w, k in zip(policy_size.SEEDS, per_seed, kl[size])
-        for f in (0.25, 0.5, 0.75, 1.0)
-    ]
-    return pd.DataFrame(rows)
+    """test_policy_size's rows at 25%, 50%, 75% and 100%, with KL per size and seed."""
+    return test_policy_size.kept(wins, kl, fractions=(0.25, 0.5, 0.75, 1.0))
 
 
 SMALL = {("small", 1): [0.70] * 3, ("small", 16): [0.60] * 3}  # retention 0.5 at every seed
