@@ -14,6 +14,8 @@ is the same for every point: the pipeline's own (`data/reward/model` as HEAD's d
   python bench/policy_size.py list               every point's name and settings
   python bench/policy_size.py queue [--jobs J]   queue the missing points (bench/offpolicy.py's machinery), wait
   python bench/policy_size.py report             bench/metrics/policy_size.{csv,md}
+  --large-sft-lr LR                              the large size's SFT at learning rate LR (points ps-large-lrLR-*,
+                                                 tables policy_size-lrLR.*); default: `tiny`'s, 3e-3
 
 The rule, fixed in the commit that added this file, before any point ran: a size's retention is its gain over SFT
 at N = 16 over its gain at N = 1, (win-rate - 0.5) / (win-rate - 0.5), per seed, read at the policies kept after 25%
@@ -21,10 +23,17 @@ and 50% of the episodes (the off-policy grid's second rule: on `tiny` the final 
 judge's win-rate stops rising). The paper's claim holds here if the large policy's retention, seeds averaged, is
 above the small one's by more than the seeds' spread (the larger half-range of either size's retention over the
 seeds) at both. Where a size's N = 1 policy gained no more than 0.02 over SFT its retention is undefined: no verdict.
+
+The second run (`--large-sft-lr 0.001`), its rule fixed before its points ran: the first run's large policy was larger
+but no better (SFT held-out loss 4.465 against the small one's 4.424: `tiny`'s learning rate, 3e-3, is too high for
+it; 1e-3 gave 4.355). The same rule, unchanged, read again with the large SFT at 1e-3, where it is also the better
+model; the report states both sizes' held-out losses, and the test is a test of the paper's claim only if the large
+one's is the lower.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -43,17 +52,34 @@ HELD = offpolicy.ROOT / ".cache" / "bench" / "policy_size"  # the held reward mo
 STEM = "policy_size"
 
 
-def points(rm=HELD / "reward_model") -> dict[str, list[str]]:
-    """Every point: ps-<size>-n<N>-s<seed> and its `-S` settings, a large point queued first. Each large point builds
-    the large SFT policy itself (8.5 min on one thread): DVC's queue restored no stage from another queued
-    experiment's run cache (seen 2026-11-28: every large point ran `sft`, all to the same held-out loss)."""
+def large_settings(sft_lr: str | None = None) -> list[str]:
+    """The large size's `-S` settings: its width, and its SFT learning rate where `sft_lr` is given."""
+    return SIZES["large"] + ([f"sft.learning_rate={sft_lr}"] if sft_lr else [])
+
+
+def tag(sft_lr: str | None) -> str:
+    """What a run with the large SFT at `sft_lr` adds to the large points' names and the tables' stem."""
+    return f"-lr{sft_lr}" if sft_lr else ""
+
+
+def lr_label(sft_lr: str | None) -> str:
+    """The large SFT's learning rate, as the reports name it."""
+    return f"{sft_lr} (`--large-sft-lr`)" if sft_lr else "`tiny`'s (3e-3)"
+
+
+def points(rm=HELD / "reward_model", sft_lr: str | None = None) -> dict[str, list[str]]:
+    """Every point: ps-<size>[-lr<LR>]-n<N>-s<seed> and its `-S` settings, a large point queued first. Each large
+    point builds the large SFT policy itself (8.5 min on one thread): DVC's queue restored no stage from another
+    queued experiment's run cache (seen 2026-11-28: every large point ran `sft`, all to the same held-out loss)."""
+    settings = {"small": SIZES["small"], "large": large_settings(sft_lr)}
+    names = {"small": "small", "large": f"large{tag(sft_lr)}"}
     pts = {
-        f"ps-{size}-n{n}-s{seed}": [
+        f"ps-{names[size]}-n{n}-s{seed}": [
             "train.trainer=online_dpo",
             f"train.num_mini_batches={n}",
             f"train.seed={seed}",
             f"reward.pretrained={rm}",
-            *SIZES[size],
+            *settings[size],
         ]
         for size, n, seed in itertools.product(SIZES, MINI_BATCHES, SEEDS)
     }
@@ -82,7 +108,7 @@ def kept_policies(exps: dict[str, str], pts: dict[str, list[str]], stem: str, si
     grid's `algorithm`: small or large; the `varied` stages' outputs may differ by size, no other. A point not run
     yet ends the script, naming it."""
     if missing := [n for n in pts if n not in exps]:
-        sys.exit(f"{stem}: not run yet: {missing}; `python bench/{stem}.py queue` runs them")
+        sys.exit(f"{stem}: not run yet: {missing}; the bench's `queue` runs them")
     rows = offpolicy.frontier_rows(exps, pts, {stage: size_of for stage in varied})
     rows = rows.assign(algorithm=rows["point"].map(size_of))
     return rows[rows["fraction"] > 0]
@@ -103,15 +129,21 @@ def write_report(stem: str, kept: pd.DataFrame, size: str, head: list[str], verd
 
 
 def stage_metrics(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
-    """Per size: the SFT policy's parameters and held-out loss, the held RM's agreement with gold on its samples."""
+    """Per size: the SFT policy's parameters and held-out loss, the held RM's agreement with gold on its samples;
+    then whether the larger policy is also the better one (the lower held-out loss)."""
     lines = ["| policy | parameters | SFT held-out loss | the held RM's agreement with gold on its pairs |"]
     lines.append("|---|---|---|---|")
+    loss = {}
     for size in SIZES:
         rev = exps[next(n for n in pts if n.startswith(f"ps-{size}-"))]
         sft = json.loads(offpolicy.committed(rev, "data/metrics/sft.json"))
         rm = json.loads(offpolicy.committed(rev, "data/metrics/reward.json"))
-        lines.append(f"| {size} | {sft['n_params']:,} | {sft['heldout_loss']:.3f} | {rm['agreement_heldout']:.3f} |")
-    return lines
+        loss[size] = sft["heldout_loss"]
+        lines.append(f"| {size} | {sft['n_params']:,} | {loss[size]:.3f} | {rm['agreement_heldout']:.3f} |")
+    better = (
+        "also the better model" if loss["large"] < loss["small"] else "larger but not better (the paper's are both)"
+    )
+    return [*lines, "", f"The large policy is {better}: SFT held-out loss, lower is better."]
 
 
 def retention_table(kept: pd.DataFrame, label: str = "") -> tuple[list[str], dict[float, tuple[float, float]]]:
@@ -155,7 +187,7 @@ def verdict(kept: pd.DataFrame) -> list[str]:
     ]
 
 
-def report(pts: dict[str, list[str]]) -> int:
+def report(pts: dict[str, list[str]], sft_lr: str | None = None) -> int:
     exps = offpolicy.experiments()  # `dvc exp show` over every commit: seconds, read once
     # the SFT policy is the size; the reward stage measures the held RM on that policy's pairs
     kept = kept_policies(exps, pts, STEM, lambda name: name.split("-")[1], varied=("sft", "reward"))
@@ -165,20 +197,27 @@ def report(pts: dict[str, list[str]]) -> int:
         f"{', '.join(map(str, SEEDS))}",
         "",
         f"The held reward model: the pipeline's at commit {source['commit']} (model.safetensors sha256 "
-        f"{source['model.safetensors sha256'][:12]}).",
+        f"{source['model.safetensors sha256'][:12]}). The large policy's SFT learning rate: {lr_label(sft_lr)}.",
         "",
         *stage_metrics(exps, pts),
     ]
-    return write_report(STEM, kept, "policy", head, verdict(kept))
+    return write_report(STEM + tag(sft_lr), kept, "policy", head, verdict(kept))
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """bench/offpolicy.py's point parser and `--large-sft-lr` (this bench's and bench/rm_size.py's)."""
+    ap = offpolicy.point_parser(doc)
+    ap.add_argument("--large-sft-lr", type=float, help="the large SFT's learning rate (default: the profile's)")
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = offpolicy.point_parser(__doc__)
-    args = ap.parse_args(argv)
+    args = parser(__doc__).parse_args(argv)
+    sft_lr = None if args.large_sft_lr is None else f"{args.large_sft_lr:g}"
     if args.command == "queue":
         hold_reward_model()
-    pts = points()
-    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts))
+    pts = points(sft_lr=sft_lr)
+    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts, sft_lr))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ that bench's ps-small-* points (the same settings: run once, read by both); the 
   python bench/rm_size.py list               every point's name and settings
   python bench/rm_size.py queue [--jobs J]   build the large reward model, then queue the missing points, wait
   python bench/rm_size.py report             bench/metrics/rm_size.{csv,md}
+  --large-sft-lr LR                          the large reward model from the large SFT at learning rate LR (its
+                                             experiment rs-build-large-rm-lrLR, points rs-large-lrLR-*, tables
+                                             rm_size-lrLR.*); default: `tiny`'s, 3e-3
 
 The rules, fixed in the commit that added this file, before the large reward model or any rs-large point ran:
 1. Robustness, bench/policy_size.py's rule with the reward model's size in place of the policy's: retention (the
@@ -25,6 +28,12 @@ The rules, fixed in the commit that added this file, before the large reward mod
    averaged over the four kept policies. The paper's claim (a larger RM reaches its result at a smaller KL) holds
    here if the large RM's, seeds averaged, is above the small RM's by more than the seeds' spread (the larger
    half-range of either size's per-seed values).
+
+The second run (`--large-sft-lr 0.001`), its rules fixed before it ran: the first run's large reward model came from
+a large SFT no better than the small one (`tiny`'s learning rate, 3e-3, is too high for the larger width), and it
+agreed with gold no more often. The same two rules, unchanged, read again with the large reward model initialised
+from the large SFT at 1e-3 (held-out loss 4.355 against 4.424); the report states both reward models' agreement with
+gold, and the run tests the paper's claims only if the large one's is the higher.
 """
 
 from __future__ import annotations
@@ -45,46 +54,58 @@ LARGE_RM = policy_size.HELD / "reward_model_large"
 STEM = "rm_size"
 
 
-def points(rm: Path | str = LARGE_RM) -> dict[str, list[str]]:
-    """The small-RM points (bench/policy_size.py's ps-small-*) and the large-RM ones, rs-large-n<N>-s<seed>: the
-    same settings but `reward.pretrained`."""
+def build(sft_lr: str | None = None) -> tuple[str, Path]:
+    """The large reward model's experiment and where it is held, for the large SFT at `sft_lr` (default: tiny's)."""
+    return BUILD + policy_size.tag(sft_lr), LARGE_RM.with_name(LARGE_RM.name + policy_size.tag(sft_lr))
+
+
+def points(rm: Path | str | None = None, sft_lr: str | None = None) -> dict[str, list[str]]:
+    """The small-RM points (bench/policy_size.py's ps-small-*) and the large-RM ones, rs-large[-lr<LR>]-n<N>-s<seed>:
+    the same settings but `reward.pretrained` (`rm`, default: the held large reward model for `sft_lr`)."""
     small = {n: s for n, s in policy_size.points().items() if n.startswith("ps-small-")}
+    rm = build(sft_lr)[1] if rm is None else rm
     large = {
-        f"rs-large-n{n}-s{seed}": ["train.trainer=online_dpo", f"train.num_mini_batches={n}", f"train.seed={seed}"]
-        + [f"reward.pretrained={rm}"]
+        f"rs-large{policy_size.tag(sft_lr)}-n{n}-s{seed}": [
+            "train.trainer=online_dpo",
+            f"train.num_mini_batches={n}",
+            f"train.seed={seed}",
+            f"reward.pretrained={rm}",
+        ]
         for n, seed in itertools.product(policy_size.MINI_BATCHES, policy_size.SEEDS)
     }
     return {**small, **large}
 
 
-def build_settings() -> list[str]:
-    """The large reward model's experiment: the pipeline up to `reward` with the large policy's width."""
-    return policy_size.SIZES["large"]
+def build_settings(sft_lr: str | None = None) -> list[str]:
+    """The large reward model's experiment: the pipeline up to `reward` with the large policy's width (and SFT)."""
+    return policy_size.large_settings(sft_lr)
 
 
-def hold_large_reward_model(exps: dict[str, str]) -> None:
-    """Copy rs-build-large-rm's reward model to LARGE_RM once (`dvc get` from the experiment), with its origin."""
-    if (LARGE_RM / "source.json").is_file():
+def hold_large_reward_model(exps: dict[str, str], sft_lr: str | None = None) -> None:
+    """Copy the build experiment's reward model to where it is held once (`dvc get`), with its origin."""
+    name, held = build(sft_lr)
+    if (held / "source.json").is_file():
         return
-    rev = exps[BUILD]
-    shutil.rmtree(LARGE_RM, ignore_errors=True)
-    LARGE_RM.parent.mkdir(parents=True, exist_ok=True)
-    offpolicy.dvc("get", ".", "data/reward/model", "--rev", rev, "-o", str(LARGE_RM))
-    digest = hashlib.sha256((LARGE_RM / "model.safetensors").read_bytes()).hexdigest()
-    source = {"experiment": BUILD, "rev": rev, "model.safetensors sha256": digest}
+    rev = exps[name]
+    shutil.rmtree(held, ignore_errors=True)
+    held.parent.mkdir(parents=True, exist_ok=True)
+    offpolicy.dvc("get", ".", "data/reward/model", "--rev", rev, "-o", str(held))
+    digest = hashlib.sha256((held / "model.safetensors").read_bytes()).hexdigest()
+    source = {"experiment": name, "rev": rev, "model.safetensors sha256": digest}
     for stage in ("sft", "reward"):
         source[stage] = json.loads(offpolicy.committed(rev, f"data/metrics/{stage}.json"))
-    (LARGE_RM / "source.json").write_text(json.dumps(source, indent=1) + "\n")
+    (held / "source.json").write_text(json.dumps(source, indent=1) + "\n")
 
 
-def queue(jobs: int) -> int:
+def queue(jobs: int, sft_lr: str | None = None) -> int:
     """The large reward model's experiment (beside any missing small-RM point), then the large-RM points."""
     policy_size.hold_reward_model()
     small = {n: s for n, s in points().items() if n.startswith("ps-small-")}
-    if rc := offpolicy.queue({BUILD: build_settings(), **small}, jobs, targets={BUILD: "reward"}):
+    name = build(sft_lr)[0]
+    if rc := offpolicy.queue({name: build_settings(sft_lr), **small}, jobs, targets={name: "reward"}):
         return rc
-    hold_large_reward_model(offpolicy.experiments())
-    return offpolicy.queue(points(), jobs)
+    hold_large_reward_model(offpolicy.experiments(), sft_lr)
+    return offpolicy.queue(points(sft_lr=sft_lr), jobs)
 
 
 def reward_model_size(name: str) -> str:
@@ -92,10 +113,12 @@ def reward_model_size(name: str) -> str:
     return "small" if name.startswith("ps-small-") else "large"
 
 
-def reward_models(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
+def reward_models(exps: dict[str, str], pts: dict[str, list[str]], sft_lr: str | None = None) -> list[str]:
     """Per size: the SFT policy it was initialised from (parameters), its agreement with gold on held-out pairs of
-    that policy (as trained) and on held-out pairs of the small SFT policy (each size's points' `reward` stage)."""
-    source = json.loads((LARGE_RM / "source.json").read_text())
+    that policy (as trained) and on held-out pairs of the small SFT policy (each size's points' `reward` stage); then
+    whether the larger reward model is also the better one on those same pairs."""
+    source = json.loads((build(sft_lr)[1] / "source.json").read_text())
+    agreement = {}
     small_sft = json.loads(offpolicy.committed(exps[next(iter(pts))], "data/metrics/sft.json"))
     lines = ["| reward model | its SFT policy's parameters | agreement with gold: its own pairs | the small SFT's |"]
     lines.append("|---|---|---|---|")
@@ -106,8 +129,10 @@ def reward_models(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
             if n.startswith(prefix)
         ]
         own = "the same pairs" if size == "small" else f"{source['reward']['agreement_heldout']:.3f}"
-        lines.append(f"| {size} | {sft['n_params']:,} | {own} | {sum(on_small) / len(on_small):.3f} |")
-    return lines
+        agreement[size] = sum(on_small) / len(on_small)
+        lines.append(f"| {size} | {sft['n_params']:,} | {own} | {agreement[size]:.3f} |")
+    better = "also the better judge" if agreement["large"] > agreement["small"] else "larger but not a better judge"
+    return [*lines, "", f"The large reward model is {better}: agreement with gold on the small SFT's pairs."]
 
 
 def gold_per_kl(kept: pd.DataFrame) -> pd.DataFrame:
@@ -144,25 +169,29 @@ def verdict(kept: pd.DataFrame) -> list[str]:
     ]
 
 
-def report(pts: dict[str, list[str]]) -> int:
+def report(pts: dict[str, list[str]], sft_lr: str | None = None) -> int:
     exps = offpolicy.experiments()  # `dvc exp show` over every commit: seconds, read once
     kept = policy_size.kept_policies(exps, pts, STEM, reward_model_size, varied=("reward",))  # one SFT policy for all
     head = [
         f"# Reward-model size and off-policy robustness (the paper's Fig. 5), `tiny`, online DPO, the small policy, "
         f"seeds {', '.join(map(str, policy_size.SEEDS))}",
         "",
-        *reward_models(exps, pts),
+        f"The large reward model's SFT learning rate: {policy_size.lr_label(sft_lr)}.",
+        "",
+        *reward_models(exps, pts, sft_lr),
     ]
-    return policy_size.write_report(STEM, kept, "reward model", head, verdict(kept))
+    stem = STEM + policy_size.tag(sft_lr)
+    return policy_size.write_report(stem, kept, "reward model", head, verdict(kept))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = offpolicy.point_parser(__doc__).parse_args(argv)
-    pts = points()
+    args = policy_size.parser(__doc__).parse_args(argv)
+    sft_lr = None if args.large_sft_lr is None else f"{args.large_sft_lr:g}"
+    pts = points(sft_lr=sft_lr)
     if args.command == "list":
-        print(offpolicy.point_lines({BUILD: build_settings(), **pts}))
+        print(offpolicy.point_lines({build(sft_lr)[0]: build_settings(sft_lr), **pts}))
         return 0
-    return queue(args.jobs) if args.command == "queue" else report(pts)
+    return queue(args.jobs, sft_lr) if args.command == "queue" else report(pts, sft_lr)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,16 @@ def test_the_sizes_differ_only_in_the_models_width_and_share_the_held_reward_mod
     assert large - small == {"model.hidden_size=256", "model.intermediate_size=768"} and small < large
 
 
+def test_the_second_run_changes_the_large_sft_learning_rate_only_and_reuses_the_small_points():
+    first, second = policy_size.points(rm="/held/rm"), policy_size.points(rm="/held/rm", sft_lr="0.001")
+    assert {n: s for n, s in second.items() if n.startswith("ps-small-")} == {
+        n: s for n, s in first.items() if n.startswith("ps-small-")
+    }
+    assert set(second["ps-large-lr0.001-n16-s4"]) - set(first["ps-large-n16-s4"]) == {"sft.learning_rate=0.001"}
+    assert not set(first["ps-large-n16-s4"]) - set(second["ps-large-lr0.001-n16-s4"])
+    assert len(second) == len(first) and not set(second) & {n for n in first if n.startswith("ps-large")}
+
+
 def kept(wins: dict[tuple[str, int], list[float]], kl=None, fractions=(0.25, 0.5, 1.0)) -> pd.DataFrame:
     """Kept-policy rows at `fractions`: (size, N) -> win-rate vs SFT per seed, the same at every fraction; `kl`:
     size -> KL per seed (default 1)."""

@@ -26,6 +26,15 @@ def test_the_reward_model_sizes_differ_only_in_the_reward_model_and_reuse_the_po
     assert rm_size.build_settings() == policy_size.SIZES["large"]
 
 
+def test_the_second_run_builds_its_own_large_reward_model_from_the_large_sft_at_its_learning_rate():
+    (first, first_rm), (second, second_rm) = rm_size.build(), rm_size.build("0.001")
+    assert first != second and first_rm != second_rm and second_rm.parent == first_rm.parent  # the first one kept
+    assert set(rm_size.build_settings("0.001")) - set(rm_size.build_settings()) == {"sft.learning_rate=0.001"}
+    pts = rm_size.points(sft_lr="0.001")
+    assert pts["rs-large-lr0.001-n1-s5"][-1] == f"reward.pretrained={second_rm}"
+    assert pts["ps-small-n1-s5"] == rm_size.points()["ps-small-n1-s5"]  # the small-RM points: the same experiments
+
+
 def kept(wins: dict[tuple[str, int], list[float]], kl: dict[str, list[float]]) -> pd.DataFrame:
     """test_policy_size's rows at 25%, 50%, 75% and 100%, with KL per size and seed."""
     return test_policy_size.kept(wins, kl, fractions=(0.25, 0.5, 0.75, 1.0))
