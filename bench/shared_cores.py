@@ -12,6 +12,7 @@ the first start to the last exit, and each process's own from its start to its e
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -44,7 +45,8 @@ def at_once(folders: list, threads: tuple[int, ...]) -> list[float]:
     return seconds
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     base = ROOT / ".cache" / "bench" / "shared_cores"
     folders = [scratch_data(base / f"data{i}") for i in range(2)]
     results = {"cpu_flags": cpu_flags(), "date": time.strftime("%Y-%m-%d")}
