@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import column_sum, scratch_data, smollm2_data  # bench/ is sys.path[0]
+from common import column_sum, positive_int, run_main, scratch_data, smollm2_data  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY = ("train.engine_backend=ray",)
@@ -85,7 +85,7 @@ def main() -> None:
     runtime.configure()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="tiny")
-    ap.add_argument("--seeds", type=int, default=3, help="sync and async runs per seed (seed, seed+1, ...)")
+    ap.add_argument("--seeds", type=positive_int, default=3, help="sync and async runs per seed (seed, seed+1, ...)")
     ap.add_argument(
         "--runs",
         default=",".join({**RUNS, **TWO_RANKS}),
@@ -93,7 +93,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--first-batches",
-        type=int,
+        type=positive_int,
         dest="first_batches",
         help="vllm_async_first's train.learner_first_batches, fixed by hand (default: by the rule of "
         "learner_first_batches, from this invocation's sync_hf and vllm_async runs)",
@@ -109,9 +109,9 @@ def main() -> None:
     chosen = args.runs.split(",")
     unknown = sorted(set(chosen) - {*RUNS, *TWO_RANKS})
     if unknown or "vllm_async" not in chosen or not set(SYNC) & set(chosen):
-        raise SystemExit(f"--runs: {args.runs!r}: needs vllm_async and a sync run among {[*RUNS, *TWO_RANKS]}")
+        ap.error(f"--runs: {args.runs!r}: needs vllm_async and a sync run among {[*RUNS, *TWO_RANKS]}")
     if "vllm_async_first" in chosen and not args.first_batches and "sync_hf" not in chosen:
-        raise SystemExit(f"--runs: {args.runs!r}: vllm_async_first needs sync_hf, or --first-batches")
+        ap.error(f"--runs: {args.runs!r}: vllm_async_first needs sync_hf, or --first-batches")
     first, args.overrides = split_seed(args.overrides)
     base = first if first is not None else load_config(ROOT / "params.yaml", args.profile, args.overrides).seed
     runs = {k: v for k, v in {**RUNS, **TWO_RANKS}.items() if k in chosen}
@@ -347,4 +347,4 @@ def summarise(args, per_seed: list[dict[str, dict]]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

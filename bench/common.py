@@ -1,18 +1,73 @@
 """What the benchmarks share: a scratch data dir over the pipeline's outputs, a timed `train` run's rows, a measured
-child process, and the interval a comparison's verdict is read from."""
+child process, the interval a comparison's verdict is read from, and their command lines' checks: argument types
+that refuse a bad value before any work, and `run_main`, which ends a bad setting or missing file in one line."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINE_INPUTS = ("prepared", "gold", "sft", "reward")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0 (a count of seeds, rounds, prompts, episodes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a learning rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated integers > 0 (batch sizes, lengths)."""
+    try:
+        return [positive_int(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers > 0, got {text!r}") from None
+
+
+def run_main(main: Callable[[], int | None]) -> int:
+    """A bench's entry point: `main()`'s exit code; a bad setting (rlhf's ConfigError: an unknown profile, key or
+    value) or a missing file ends in one line naming it, exit 1, with the traceback only under RLHF_DEBUG=1 (as
+    `rlhf`'s own commands). Other errors keep their traceback: a benchmark's bug is not bad input."""
+    from rlhf.config import ConfigError
+
+    script = Path(sys.argv[0]).name
+    try:
+        return main() or 0
+    except KeyboardInterrupt:
+        print(f"{script}: interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, FileNotFoundError) as e:
+        if os.environ.get("RLHF_DEBUG"):
+            traceback.print_exc()
+        print(f"{script}: error: {e}", file=sys.stderr)
+        return 1
 
 
 def scratch_data(dst: Path, inputs: tuple[str, ...] = PIPELINE_INPUTS, source: Path | None = None) -> Path:

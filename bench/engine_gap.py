@@ -19,6 +19,7 @@ import json
 import sys
 
 import numpy as np
+from common import run_main  # bench/ is sys.path[0]
 from offpolicy import OUT, committed, experiments, queue
 from scipy import stats
 
@@ -84,4 +85,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

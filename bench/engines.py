@@ -11,10 +11,11 @@ engines are warmed alike, on one batch of other prompts than the timed ones (fir
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
-import torch
+from common import positive_int, run_main  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def model_folder(name: str) -> Path:
     """A safetensors folder vLLM can load: the packaged SmolLM2 is de-quantised and saved once."""
     if name != "smollm2":
+        if not (Path(name) / "config.json").is_file():
+            raise FileNotFoundError(f"{name}: model folder not found (a saved policy folder holds config.json)")
         return Path(name)
     folder = ROOT / ".cache" / "bench" / "smollm2"
     if not (folder / "config.json").exists():
@@ -31,7 +34,7 @@ def model_folder(name: str) -> Path:
     return folder
 
 
-def generated_tokens(responses: torch.Tensor, eos: int) -> int:
+def generated_tokens(responses, eos: int) -> int:
     """Tokens actually generated: up to and including the first EOS of each row."""
     from rlhf.algorithms.common import truncate_after_eos
 
@@ -50,6 +53,19 @@ def run_engine(engine, batches, params, eos: int) -> tuple[float, int]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2 or a saved policy folder")
+    ap.add_argument("--prompts", type=positive_int, default=64)
+    ap.add_argument("--batch", type=positive_int, default=16, help="prompts per batch")
+    ap.add_argument("--k", type=positive_int, default=2)
+    ap.add_argument("--tokens", type=positive_int, default=32, help="max new tokens")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' precision")
+    ap.add_argument("--data", default=str(ROOT / "data" / "prepared"))
+    args = ap.parse_args()
+    folder = model_folder(args.model)  # a wrong name: refused before the imports
+
+    import torch
+
     from rlhf import runtime
     from rlhf.data.schemas import EvalPrompts
     from rlhf.data.splits import load_split
@@ -60,17 +76,7 @@ def main() -> None:
     from rlhf.models.loading import load_causal_lm, load_tokenizer
 
     runtime.configure()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", help="smollm2 or a saved policy folder")
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16, help="prompts per batch")
-    ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=32, help="max new tokens")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' precision")
-    ap.add_argument("--data", default=str(ROOT / "data" / "prepared"))
-    args = ap.parse_args()
 
-    folder = model_folder(args.model)
     tokenizer = load_tokenizer(folder)
     texts = list(load_split(Path(args.data), "eval_prompts", EvalPrompts)["prompt"])[: args.prompts + args.batch]
     ids = tokenizer(texts)["input_ids"]
@@ -119,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

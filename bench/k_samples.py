@@ -32,7 +32,7 @@ import sys
 
 import offpolicy
 import pandas as pd
-from common import ROOT, cpu_flags, run_process_tree, scratch_data
+from common import ROOT, cpu_flags, positive_int, run_main, run_process_tree, scratch_data
 
 SEEDS = (3, 4, 5, 6)
 KS = (2, 4)
@@ -119,7 +119,7 @@ def time_to_kept(rounds: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = offpolicy.point_parser(__doc__, "time")
-    ap.add_argument("--rounds", type=int, default=2, help="`time`: rounds of K = 2 and K = 4 in turn")
+    ap.add_argument("--rounds", type=positive_int, default=2, help="`time`: rounds of K = 2 and K = 4 in turn")
     args = ap.parse_args(argv)
     if args.command == "time":
         return time_to_kept(args.rounds)
@@ -128,4 +128,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -12,9 +12,10 @@ Prints the accuracy table and a few outputs; writes bench/metrics/math_baseline.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from common import cpu_flags  # bench/ is sys.path[0]
+from common import cpu_flags, positive_int, run_main  # bench/ is sys.path[0]
 from engines import model_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +33,11 @@ def prompts_for(tokenizer, questions: list[str], chat: bool) -> list[list[int]]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--problems", type=positive_int, default=300)
+    ap.add_argument("--max-new-tokens", type=positive_int, default=128)
+    args = ap.parse_args()
+
     import torch
 
     from rlhf.data.math import problems
@@ -41,10 +47,6 @@ def main() -> None:
     from rlhf.models.loading import load_tokenizer
     from rlhf.rewards.rule import rule_score
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--problems", type=int, default=300)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    args = ap.parse_args()
     folder = model_folder("smollm2")
     tok = load_tokenizer(folder)
     df = problems(args.problems, seed=99)
@@ -77,4 +79,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

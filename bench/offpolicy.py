@@ -42,6 +42,7 @@ from pathlib import Path
 
 import pandas as pd
 import yaml
+from common import run_main  # bench/ is sys.path[0]
 
 ROOT = Path.cwd()  # the DVC project: `make offpolicy` runs in this one; a test runs it in a copy
 ALGORITHMS = ("ppo", "rloo", "online_dpo", "bok")  # bok: best-of-2 SFT, the paper's control for DPO's two samples
@@ -429,4 +430,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import yaml
-from common import cpu_flags, merged  # bench/ is sys.path[0]
+from common import cpu_flags, merged, run_main  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # flows/
@@ -118,6 +118,7 @@ def summarise(name: str, total: float, stats: list[dict]) -> dict:
 
 def main() -> None:
     from rlhf import runtime
+    from rlhf.config import load_config
     from rlhf.io import write_json
 
     runtime.configure()
@@ -133,6 +134,9 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="section.key=value written into the clone's params.yaml")
     args = ap.parse_args()
     overrides = [*args.overrides, *([f"train.trainer={args.trainer}"] if args.trainer else [])]
+    if unknown := [name for name in args.runs.split(",") if name not in ("prefect", "dvc")]:
+        ap.error(f"--runs: unknown run {unknown[0]!r} (expected prefect or dvc)")
+    load_config(ROOT / "params.yaml", args.profile, overrides)  # a bad profile or setting: refused before the clone
     tag = f"-{args.label}" if args.label else ""  # the runs' names in the metrics
     root = Path(tempfile.mkdtemp(prefix="rlhf-costs-", dir=ROOT / ".cache"))
     results = {}
@@ -146,10 +150,8 @@ def main() -> None:
             env = {**os.environ, "RLHF_STAGE_STATS": str(stats_file), "PATH": path}
             if name == "dvc":
                 total = run_dvc(project, env)
-            elif name == "prefect":
-                total = run_prefect(project, env, trainer)
             else:
-                raise SystemExit(f"--runs: unknown run {name!r} (expected prefect or dvc)")
+                total = run_prefect(project, env, trainer)
             results.update(summarise(name + tag, total, read_stats(stats_file)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -162,4 +164,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 import numpy as np
-from common import cpu_flags
+from common import cpu_flags, run_main
 from offpolicy import OUT, committed, experiments, point_parser, run_points
 
 SEEDS = (1234, 1235, 1236, 1237, 1238)
@@ -104,4 +104,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -43,6 +43,7 @@ import sys
 
 import offpolicy
 import pandas as pd
+from common import positive_float, run_main  # bench/ is sys.path[0]
 
 SIZES = {"small": [], "large": ["model.hidden_size=256", "model.intermediate_size=768"]}
 MINI_BATCHES = (1, 16)
@@ -207,7 +208,9 @@ def report(pts: dict[str, list[str]], sft_lr: str | None = None) -> int:
 def parser(doc: str) -> argparse.ArgumentParser:
     """bench/offpolicy.py's point parser and `--large-sft-lr` (this bench's and bench/rm_size.py's)."""
     ap = offpolicy.point_parser(doc)
-    ap.add_argument("--large-sft-lr", type=float, help="the large SFT's learning rate (default: the profile's)")
+    ap.add_argument(
+        "--large-sft-lr", type=positive_float, help="the large SFT's learning rate (default: the profile's)"
+    )
     return ap
 
 
@@ -221,4 +224,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

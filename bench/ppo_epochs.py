@@ -38,6 +38,7 @@ import sys
 import numpy as np
 import offpolicy
 import pandas as pd
+from common import run_main  # bench/ is sys.path[0]
 
 SEEDS = (3, 4, 5, 6)
 EPOCHS = (1, 2, 4)
@@ -139,4 +140,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

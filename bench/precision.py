@@ -12,9 +12,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
-from common import ROOT, column_sum, cpu_flags, scratch_data, smollm2_data, timed_train  # bench/ is sys.path[0]
+from common import (
+    ROOT,
+    column_sum,
+    cpu_flags,
+    positive_int,
+    run_main,
+    scratch_data,
+    smollm2_data,
+    timed_train,
+)  # bench/ is sys.path[0]
 
 PRECISIONS = ("fp32", "bf16")
 
@@ -51,7 +61,7 @@ def main() -> None:
     runtime.configure()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="tiny", choices=["tiny", "smollm2"])
-    ap.add_argument("--episodes", type=int, default=None, help="default: 1024 on tiny, 64 on smollm2")
+    ap.add_argument("--episodes", type=positive_int, default=None, help="default: 1024 on tiny, 64 on smollm2")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     episodes = args.episodes or (1024 if args.profile == "tiny" else 64)
@@ -78,4 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

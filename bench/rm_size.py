@@ -48,6 +48,7 @@ from pathlib import Path
 import offpolicy
 import pandas as pd
 import policy_size
+from common import run_main  # bench/ is sys.path[0]
 
 BUILD = "rs-build-large-rm"  # the experiment that trains the large reward model (stages up to `reward`)
 LARGE_RM = policy_size.HELD / "reward_model_large"
@@ -195,4 +196,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

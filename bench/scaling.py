@@ -12,34 +12,39 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
+
+from common import positive_int, positive_ints, run_main, scratch_data  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("generation", "scoring", "reference", "update", "weight_sync")
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="tiny")
+    ap.add_argument("--trainer", default="online_dpo")
+    ap.add_argument(
+        "--batches", type=positive_ints, default="8,16,32,64", help="prompts per generated batch (P, with G=M=1)"
+    )
+    ap.add_argument("--lengths", type=positive_ints, default="16,32,64", help="train.response_length values")
+    ap.add_argument("--iterations", type=positive_int, default=4, help="batches per setting; the first is a warm-up")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    from rlhf.config import load_config
+
+    load_config(ROOT / "params.yaml", args.profile, args.overrides)  # a bad profile or setting: refused first
     from rlhf import runtime
 
     runtime.configure()
-    from common import scratch_data
-
-    from rlhf.config import load_config
     from rlhf.io import write_json
     from rlhf.tracking import logged_rows
     from rlhf.trainers.loop import train
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default="tiny")
-    ap.add_argument("--trainer", default="online_dpo")
-    ap.add_argument("--batches", default="8,16,32,64", help="prompts per generated batch (P, with G=M=1)")
-    ap.add_argument("--lengths", default="16,32,64", help="train.response_length values")
-    ap.add_argument("--iterations", type=int, default=4, help="batches per setting; the first is a warm-up")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
     table, metrics = [], {}
-    for length in map(int, args.lengths.split(",")):
-        for batch in map(int, args.batches.split(",")):
+    for length in args.lengths:
+        for batch in args.batches:
             data = scratch_data(ROOT / "bench" / "out" / "scaling" / "data")
             cfg = load_config(
                 ROOT / "params.yaml",
@@ -80,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from common import ROOT, cpu_flags, scratch_data
+from common import ROOT, cpu_flags, run_main, scratch_data
 
 RUNS = ((2,), (1,), (1, 1), (2, 2), (2, 1))  # torch threads of each process started at once
 
@@ -75,4 +75,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -63,7 +63,17 @@ import time
 from pathlib import Path
 
 import torch
-from common import column_sum, cpu_flags, interval90, merged, run_process_tree, scratch_data, timed_train
+from common import (
+    column_sum,
+    cpu_flags,
+    interval90,
+    merged,
+    positive_int,
+    run_main,
+    run_process_tree,
+    scratch_data,
+    timed_train,
+)
 from trl_side import TRL_VERSION, ensure_trl_venv  # bench/ is sys.path[0]; its torch import is harmless here
 from vs_trl_settings import our_config, settings_rows, trl_spec
 
@@ -295,12 +305,14 @@ def print_runs(runs: list[dict], sft_reward: float, n_prompts: int, k: int) -> N
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="tiny")
-    ap.add_argument("--episodes", type=int, help="train.total_episodes for every side (default: the profile's)")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds (seed, seed + 1, ...)")
+    ap.add_argument(
+        "--episodes", type=positive_int, help="train.total_episodes for every side (default: the profile's)"
+    )
+    ap.add_argument("--repeats", type=positive_int, default=3, help="rounds (seed, seed + 1, ...)")
     ap.add_argument("--algos", nargs="+", default=["online_dpo", "rloo"], choices=["online_dpo", "rloo"])
     ap.add_argument("--threads", default="1,2", help="torch thread counts each sync side runs with")
-    ap.add_argument("--eval-prompts", type=int, default=512)
-    ap.add_argument("--eval-samples", type=int, default=4, help="samples per eval prompt")
+    ap.add_argument("--eval-prompts", type=positive_int, default=512)
+    ap.add_argument("--eval-samples", type=positive_int, default=4, help="samples per eval prompt")
     ap.add_argument(
         "--sides",
         default="ours,ours_async,trl",
@@ -396,4 +408,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -17,8 +17,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+import sys
 
-from common import ROOT, cpu_flags, scratch_data, smollm2_data, timed_train  # bench/ is sys.path[0]
+from common import (
+    ROOT,
+    cpu_flags,
+    positive_int,
+    run_main,
+    scratch_data,
+    smollm2_data,
+    timed_train,
+)  # bench/ is sys.path[0]
 
 ENGINES = {
     "colocated": ("online_dpo_single_vllm", ()),
@@ -56,7 +65,7 @@ def main() -> None:
 
     runtime.configure()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--episodes", type=int, default=48, help="6 generated batches of 8 prompts")
+    ap.add_argument("--episodes", type=positive_int, default=48, help="6 generated batches of 8 prompts")
     ap.add_argument("--label", default="after", help="names the metrics file (e.g. before / after)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     ap.add_argument("overrides", nargs="*")
@@ -64,7 +73,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     chosen = args.engines.split(",")
     if unknown := sorted(set(chosen) - set(ENGINES)):
-        raise SystemExit(f"--engines: unknown {unknown}; choose among {', '.join(ENGINES)}")
+        ap.error(f"--engines: unknown {unknown}; choose among {', '.join(ENGINES)}")
     results = {n: run(ENGINES[n][0], args.episodes, [*ENGINES[n][1], *args.overrides]) for n in chosen}
     print(f"\nsmollm2, online DPO, {args.episodes} episodes, commit {commit.stdout.strip()} ({args.label}, work tree")
     print(f"as checked out); one torch thread per process; CPU flags: {cpu_flags()}; batch 0 left out")
@@ -80,4 +89,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))
