@@ -214,6 +214,7 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
         wandb_mode("offline", {"WANDB_MODE": "offlne"})
     for variable, value, message in [
         ("PREFECT_PORT", "42OO", "environment variable PREFECT_PORT='42OO': expected an integer >= 1"),
+        ("PREFECT_PORT", "99999", "environment variable PREFECT_PORT='99999': expected an integer 1-65535"),
         (
             "RLHF_SERVER_START_TIMEOUT",
             "0",
@@ -233,6 +234,15 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
         assert serve.returncode == 2, serve.stderr[-2000:]
         assert serve.stderr.strip().splitlines()[-1].startswith(f"python -m flows.deployments: error: {message}")
         assert "Traceback" not in serve.stderr and "validation error" not in serve.stderr
+    for args, message in [
+        (["--port", "70000"], "argument --port: expected an integer 1-65535, got '70000'"),  # was a traceback
+        (["--limit", "0"], "argument --limit: expected an integer >= 1, got '0'"),
+    ]:
+        serve = subprocess.run(
+            [sys.executable, "-m", "flows.deployments", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert serve.returncode == 2 and "Traceback" not in serve.stderr, serve.stderr[-2000:]
+        assert serve.stderr.strip().splitlines()[-1] == f"python -m flows.deployments: error: {message}"
 
 
 @pytest.mark.slow
