@@ -260,7 +260,7 @@ class TrainConfig(_Section):
     lora: LoraConfig = Field(
         LoraConfig(),
         description="LoRA adapters on the policy (rank, alpha, target_modules); the reference is the policy with "
-        "adapters off, engines and data/train/policy get merged weights (README: LoRA)",
+        'adapters off, engines and data/train/policy get merged weights (README: "Configuration")',
     )
     lr_scheduler: Literal["linear", "cosine", "constant"] = Field(
         "linear", description="schedule over the run's optimizer steps"

@@ -50,7 +50,8 @@ Timing, `stats()` after each receive, for the batch just received:
   timing/engine_idle          seconds the engine waited for work since it sent the previous batch
   timing/scoring_engine       seconds the engine spent scoring the batch and computing its reference log-probs
                               (when it scores)
-  timing/weight_sync_engine   seconds the engine spent in reload_weights since the previous batch
+  timing/weight_sync_engine   seconds the engine spent taking new weights (vLLM's weight-transfer API) since the
+                              previous batch
   timing/weight_snapshot      seconds the trainer spent in its last load_weights (gather, copy to shared memory)
 Generated.seconds is the engine's own generation time for the batch.
 """
