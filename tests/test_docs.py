@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# README: "Title", README.md, "Title", docs/x.md: Title) -- a quoted title, or a bare capitalised one closed by `)`
+# README: "Title", or README.md / docs/<name>.md then ", " or ": " and a quoted title, or a bare capitalised one and `)`
 SECTION = re.compile(r'(README(?:\.md)?|docs/[\w-]+\.md)[:,] (?:"([^"]+)"|([A-Z][\w -]+?)\))')
 LINK = re.compile(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)")
 
@@ -34,12 +34,12 @@ def test_section_references_are_found_as_written():
 
 
 def test_every_section_a_file_points_to_is_a_heading_there():
-    files = tracked("*.py", "*.md", "*.yaml", "Makefile", "*.toml", "*.cfg")
+    files = [p for p in tracked("*.py", "*.md", "*.yaml", "Makefile", "*.toml", "*.cfg") if p.name != "test_docs.py"]
     found, missing = 0, []
     for path in files:
         for doc, title in section_references(path.read_text(errors="replace")):
             found += 1
-            if not any(title.lower() in h for h in headings(ROOT / doc)):
+            if not (ROOT / doc).is_file() or not any(title.lower() in h for h in headings(ROOT / doc)):
                 missing.append(f"{path.relative_to(ROOT)}: {doc}, {title!r}")
     assert found >= 5  # the pattern still finds the references the code has
     assert missing == [], "sections named but not headings of their file:\n" + "\n".join(missing)
