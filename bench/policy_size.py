@@ -144,7 +144,8 @@ def stage_metrics(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
     better = (
         "also the better model" if loss["large"] < loss["small"] else "larger but not better (the paper's are both)"
     )
-    return [*lines, "", f"The large policy is {better}: SFT held-out loss, lower is better."]
+    gap = f"{loss['large']:.3f} against {loss['small']:.3f}"
+    return [*lines, "", f"The large policy is {better}: SFT held-out loss {gap}, lower is better."]
 
 
 def retention_table(kept: pd.DataFrame, label: str = "") -> tuple[list[str], dict[float, tuple[float, float]]]:

@@ -133,7 +133,8 @@ def reward_models(exps: dict[str, str], pts: dict[str, list[str]], sft_lr: str |
         agreement[size] = sum(on_small) / len(on_small)
         lines.append(f"| {size} | {sft['n_params']:,} | {own} | {agreement[size]:.3f} |")
     better = "also the better judge" if agreement["large"] > agreement["small"] else "larger but not a better judge"
-    return [*lines, "", f"The large reward model is {better}: agreement with gold on the small SFT's pairs."]
+    gap = f"{agreement['large']:.3f} against {agreement['small']:.3f}"
+    return [*lines, "", f"The large reward model is {better}: agreement with gold on the small SFT's pairs {gap}."]
 
 
 def gold_per_kl(kept: pd.DataFrame) -> pd.DataFrame:
