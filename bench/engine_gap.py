@@ -23,6 +23,8 @@ from common import run_main  # bench/ is sys.path[0]
 from offpolicy import OUT, committed, experiments, queue
 from scipy import stats
 
+from rlhf.io import write_text
+
 SEEDS = (1, 2, 3, 4, 5)
 MARGIN = 0.1
 METRICS = {  # name -> (file, key)
@@ -69,7 +71,7 @@ def report() -> int:
         )
     text = "\n".join(lines) + f"\n\n{len(SEEDS)} seeds a side; Welch's t interval.\n"
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "engine_gap.md").write_text(text)
+    write_text(OUT / "engine_gap.md", text)
     print(text, end="")
     return 0
 

@@ -34,6 +34,8 @@ import offpolicy
 import pandas as pd
 from common import ROOT, cpu_flags, positive_int, run_main, run_process_tree, scratch_data
 
+from rlhf.io import write_text
+
 SEEDS = (3, 4, 5, 6)
 KS = (2, 4)
 MARGIN = 0.03  # win-rate; one eval's standard error on 512 prompts is ~0.018, a mean over 4 seeds' about half that
@@ -112,7 +114,7 @@ def time_to_kept(rounds: int) -> int:
     verdict = f"K = 4 faster to K = 2's half-way win-rate by the wall clock: {time_verdict(frame)}"
     text = f"# K = 4 vs K = 2, time to the kept policies (CPU: {cpu_flags()})\n\n"
     text += frame.round(2).to_markdown(index=False) + f"\n\n- {verdict}\n"
-    (offpolicy.OUT / "k_samples_time.md").write_text(text)
+    write_text(offpolicy.OUT / "k_samples_time.md", text)
     print(text)
     return 0
 

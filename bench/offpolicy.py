@@ -44,6 +44,8 @@ import pandas as pd
 import yaml
 from common import run_main  # bench/ is sys.path[0]
 
+from rlhf.io import write_text
+
 ROOT = Path.cwd()  # the DVC project: `make offpolicy` runs in this one; a test runs it in a copy
 ALGORITHMS = ("ppo", "rloo", "online_dpo", "bok")  # bok: best-of-2 SFT, the paper's control for DPO's two samples
 MINI_BATCHES = (1, 4, 16)  # N
@@ -248,8 +250,8 @@ def variant_report(stem: str, pts: dict[str, list[str]], setting: tuple[str, str
     seeds = ", ".join(map(str, sorted(kept["seed"].unique())))
     text = f"# {title}, `tiny` (seeds {seeds})\n\n{kept_table(kept, column)}\n\n" + "\n".join(verdicts(kept)) + "\n"
     OUT.mkdir(parents=True, exist_ok=True)
-    kept.to_csv(OUT / f"{stem}.csv", index=False)
-    (OUT / f"{stem}.md").write_text(text)
+    write_text(OUT / f"{stem}.csv", kept.to_csv(index=False))
+    write_text(OUT / f"{stem}.md", text)
     print(text + f"{stem}: -> {OUT}/{stem}.{{csv,md}}")
     return 0
 
@@ -375,9 +377,9 @@ def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ..
             f"offpolicy: {before} holds {len(dropped)} point(s) not among this project's finished experiments (e.g. "
             f"{dropped[0]}): a report now would drop them; `queue` runs them here, `report --replace` writes without"
         )
-    frame.to_csv(OUT / f"{stem}.csv", index=False)
+    write_text(OUT / f"{stem}.csv", frame.to_csv(index=False))
     text = tables(frame)
-    (OUT / f"{stem}.md").write_text(text)
+    write_text(OUT / f"{stem}.md", text)
     (OUT / f"{stem}.png").write_bytes(offpolicy_png(frame))
     print(text + f"offpolicy: {frame['point'].nunique()} of {len(pts)} points -> {OUT}/{stem}.{{csv,md,png}}")
     return 0

@@ -24,6 +24,8 @@ import numpy as np
 from common import cpu_flags, run_main
 from offpolicy import OUT, committed, experiments, point_parser, run_points
 
+from rlhf.io import write_text
+
 SEEDS = (1234, 1235, 1236, 1237, 1238)
 METRICS = {  # name -> (file, key)
     "gold win-rate vs SFT": ("data/metrics/eval.json", "gold/win_rate_vs_sft"),
@@ -88,9 +90,9 @@ def report(other_rev: str | None) -> int:
             sys.exit(f"pipeline_seeds: --other-rev {other_rev}: no seed-1234 run's metrics there ({detail})")
         text += "\n\n" + "\n".join(against_other(values, other, other_rev))
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "pipeline_seeds.md").write_text(text + "\n")
+    write_text(OUT / "pipeline_seeds.md", text + "\n")
     flat = {f"{metric}/{k}": float(v) for metric, s in stats.items() for k, v in s.items()}
-    (OUT / "pipeline_seeds.json").write_text(json.dumps(flat, indent=2) + "\n")
+    write_text(OUT / "pipeline_seeds.json", json.dumps(flat, indent=2) + "\n")
     print(text + f"\npipeline_seeds: -> {OUT}/pipeline_seeds.{{json,md}}")
     return 0
 

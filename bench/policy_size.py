@@ -45,6 +45,8 @@ import offpolicy
 import pandas as pd
 from common import positive_float, run_main  # bench/ is sys.path[0]
 
+from rlhf.io import write_text
+
 SIZES = {"small": [], "large": ["model.hidden_size=256", "model.intermediate_size=768"]}
 MINI_BATCHES = (1, 16)
 SEEDS = (3, 4, 5)
@@ -123,8 +125,8 @@ def write_report(stem: str, kept: pd.DataFrame, size: str, head: list[str], verd
     floats = ("g", "g", "g", ".0f", ".3f", ".2f")
     text = "\n".join([*head, "", table.to_markdown(index=False, floatfmt=floats), "", *verdict_lines])
     offpolicy.OUT.mkdir(parents=True, exist_ok=True)
-    kept.to_csv(offpolicy.OUT / f"{stem}.csv", index=False)
-    (offpolicy.OUT / f"{stem}.md").write_text(text + "\n")
+    write_text(offpolicy.OUT / f"{stem}.csv", kept.to_csv(index=False))
+    write_text(offpolicy.OUT / f"{stem}.md", text + "\n")
     print(text + f"\n{stem}: -> {offpolicy.OUT}/{stem}.{{csv,md}}")
     return 0
 

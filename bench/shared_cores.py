@@ -21,6 +21,8 @@ import time
 
 from common import ROOT, cpu_flags, run_main, scratch_data
 
+from rlhf.io import write_text
+
 RUNS = ((2,), (1,), (1, 1), (2, 2), (2, 1))  # torch threads of each process started at once
 
 
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         f"shared_cores: two at once, 2 threads each took {slow:.2f}x as long as 1 thread each; a stage on 2 threads "
         f"beside one on 1 took {beside:.2f}x as long as alone ({cpu_flags()})"
     )
-    (ROOT / "bench" / "metrics" / "shared_cores.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_text(ROOT / "bench" / "metrics" / "shared_cores.json", json.dumps(results, indent=2) + "\n")
     return 0
 
 
