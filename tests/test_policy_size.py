@@ -31,6 +31,11 @@ def test_the_second_run_changes_the_large_sft_learning_rate_only_and_reuses_the_
     assert set(second["ps-large-lr0.001-n16-s4"]) - set(first["ps-large-n16-s4"]) == {"sft.learning_rate=0.001"}
     assert not set(first["ps-large-n16-s4"]) - set(second["ps-large-lr0.001-n16-s4"])
     assert len(second) == len(first) and not set(second) & {n for n in first if n.startswith("ps-large")}
+    third = policy_size.points(rm="/held/rm", sft_lr="0.001", rl_lr="0.00015")  # and the large RL step halved
+    assert set(third["ps-large-lr0.001-rl0.00015-n1-s3"]) - set(second["ps-large-lr0.001-n1-s3"]) == {
+        "train.learning_rate=0.00015"
+    }
+    assert third["ps-small-n1-s3"] == first["ps-small-n1-s3"] and not set(third) & {n for n in second if "large" in n}
 
 
 def kept(wins: dict[tuple[str, int], list[float]], kl=None, fractions=(0.25, 0.5, 1.0)) -> pd.DataFrame:
