@@ -311,7 +311,12 @@ def main(argv: list[str] | None = None) -> None:
         for key in [*OFFLINE_ENV, *CACHE_ENV, "PATH"]:
             print(f"export {key}={shlex.quote(os.environ[key])}")
         return
-    os.execvp(argv[0], argv)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:  # as a shell says it: one line; exit 127 for a command not found, 126 for one not runnable
+        found = not isinstance(e, FileNotFoundError)
+        print(f"rlhf.runtime: {argv[0]}: {e.strerror if found else 'command not found'}", file=sys.stderr)
+        sys.exit(126 if found else 127)
 
 
 if __name__ == "__main__":

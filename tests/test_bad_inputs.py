@@ -203,6 +203,16 @@ def test_a_nan_gradient_stops_training_before_the_optimizer_step(ci_data, monkey
     assert not (ci_data / "train" / "policy").exists() and not (ci_data / "metrics" / "train.json").exists()
 
 
+def test_a_mistyped_command_after_the_runtime_wrapper_is_one_line_as_a_shell_says_it():
+    """`python -m rlhf.runtime CMD` (the Makefile's and the docs' wrapper) with a CMD that does not exist or is not
+    runnable: one line and a shell's exit code, not an execvp traceback."""
+    for cmd, rc, why in [("pyhton", 127, "command not found"), ("./README.md", 126, "Permission denied")]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "rlhf.runtime", cmd, "x"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == rc and proc.stderr.splitlines() == [f"rlhf.runtime: {cmd}: {why}"], proc.stderr
+
+
 def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
     env = {**os.environ, "RLHF_TORCH_THREADS": "two"}
     proc = run_cli("--profile", "ci", "prepare", f"data_dir={tmp_path}", env=env)
