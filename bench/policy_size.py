@@ -82,7 +82,7 @@ def lr_label(sft_lr: str | None) -> str:
 
 
 def points(rm=HELD / "reward_model", sft_lr: str | None = None, rl_lr: str | None = None) -> dict[str, list[str]]:
-    """Every point: ps-<size>[-lr<LR>]-n<N>-s<seed> and its `-S` settings, a large point queued first. Each large
+    """Every point: ps-<size>[-lr<LR>][-rl<LR>]-n<N>-s<seed>, its `-S` settings; a large point queued first. Each large
     point builds the large SFT policy itself (8.5 min on one thread): DVC's queue restored no stage from another
     queued experiment's run cache (seen 2026-11-28: every large point ran `sft`, all to the same held-out loss)."""
     settings = {"small": SIZES["small"], "large": large_settings(sft_lr, rl_lr)}
