@@ -118,14 +118,15 @@ def stale(stages) -> list[str]:
     return sorted(set(json.loads(dvc("status", "--json") or "{}")) & set(stages))
 
 
-def active_workers() -> int:
-    """DVC's queue workers running (`dvc queue status`'s `Worker status: N active, M idle`)."""
-    found = re.search(r"Worker status: (\d+) active", dvc("queue", "status"))
-    return int(found.group(1)) if found else 0
+def queue_workers() -> int:
+    """DVC's queue workers, busy or idle (`dvc queue status`'s `Worker status: N active, M idle`)."""
+    found = re.search(r"Worker status: (\d+) active, (\d+) idle", dvc("queue", "status"))
+    return int(found.group(1)) + int(found.group(2)) if found else 0
 
 
 def start_workers(jobs: int) -> None:
-    """`dvc queue start --jobs J`; the workers are daemons: given our stdout, they would hold it open until they end."""
+    """`dvc queue start --jobs J`: as many new workers as make J; they are daemons: given our stdout, they would hold
+    it open until they end."""
     subprocess.run(["dvc", "queue", "start", "--jobs", str(jobs)], cwd=ROOT, stdout=subprocess.DEVNULL, check=True)
 
 
@@ -151,16 +152,20 @@ def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None =
         dvc("exp", "run", "--queue", "--name", name, *overrides, *stage)
     if todo or waiting:
         start_workers(jobs)
-    start, idle_polls = time.perf_counter(), 0
+    start, short_polls = time.perf_counter(), 0
     while left := queued() & set(pts):  # other experiments in the queue are not ours to wait for
         print(f"offpolicy: {len(left)} queued or running, {time.perf_counter() - start:.0f} s", flush=True)
-        idle_polls = idle_polls + 1 if active_workers() == 0 else 0
-        if idle_polls == 2:  # stopped (`dvc queue stop` ends the workers after their task): ours would wait forever
-            print("offpolicy: no queue worker for 30 s (`dvc queue stop`?): starting them again", flush=True)
+        # Fewer workers than points to run: `dvc queue stop` ends every worker after its task, and a worker also
+        # ended with a point still queued (seen 2026-11-28: the last point then waited for the other's 13 min).
+        workers = queue_workers()
+        short_polls = short_polls + 1 if workers < min(jobs, len(left)) else 0
+        if short_polls == 2:
+            print(f"offpolicy: {workers} queue worker(s) for {len(left)} points for 30 s: starting more", flush=True)
             start_workers(jobs)
-            idle_polls = 0
+            short_polls = 0
         time.sleep(30)
-    failed = [n for n in pts if n not in experiments()]
+    finished = experiments()  # `dvc exp show` over every commit: seconds, asked once
+    failed = [n for n in pts if n not in finished]
     print(f"offpolicy: queue empty after {time.perf_counter() - start:.0f} s; {len(failed)} point(s) failed {failed}")
     if failed:
         print(f"offpolicy: `dvc queue logs {failed[0]}` shows why; `make offpolicy` runs only the missing points again")

@@ -148,19 +148,28 @@ def test_no_point_is_queued_from_a_stale_dvc_lock_once_points_have_run(monkeypat
     assert calls[0][:3] == ("exp", "run", "--queue") and ("status", "--json") not in calls
 
 
-def test_waiting_points_get_workers_again_when_dvc_queue_stop_ended_them(monkeypatch):
-    """`dvc queue stop` ends the workers once their task is done; points still queued would then wait forever (seen
-    2026-11-28): after two polls without a worker the queue's workers are started again."""
-    polls = iter([{"op-a"}] * 5 + [set()])
+@pytest.mark.parametrize(
+    ("waiting", "workers", "restarts"),
+    [
+        ({"op-a"}, 0, 2),  # `dvc queue stop` ended them: the point would wait forever (seen 2026-11-28)
+        ({"op-a", "op-b"}, 1, 2),  # one ended with a point still queued: it waited out the other's run (seen too)
+        ({"op-a", "op-b"}, 2, 0),  # as many as asked for
+        ({"op-a"}, 1, 0),  # one point left, one worker on it
+    ],
+)
+def test_waiting_points_get_workers_again_when_fewer_run_than_asked_for(monkeypatch, waiting, workers, restarts):
+    """After two polls with fewer queue workers than min(jobs, points waiting or running), workers are started
+    again (`dvc queue start --jobs J` tops them up to J)."""
+    polls = iter([waiting] * 5 + [set()])
     started = []
-    monkeypatch.setattr(offpolicy, "experiments", lambda: {"op-a": "rev"} if started[1:] else {})
+    monkeypatch.setattr(offpolicy, "experiments", lambda: dict.fromkeys(waiting, "rev") if started else {})
     monkeypatch.setattr(offpolicy, "queued", lambda: next(polls) if started else set())
     monkeypatch.setattr(offpolicy, "dvc", lambda *args: "")  # `dvc exp run --queue`: queued
-    monkeypatch.setattr(offpolicy, "active_workers", lambda: 0)
+    monkeypatch.setattr(offpolicy, "queue_workers", lambda: workers)
     monkeypatch.setattr(offpolicy, "start_workers", started.append)
     monkeypatch.setattr(offpolicy.time, "sleep", lambda seconds: None)
-    assert offpolicy.queue({"op-a": []}, jobs=2) == 0
-    assert started == [2, 2, 2]  # at the start, then after polls 2 and 4 without a worker
+    assert offpolicy.queue(dict.fromkeys(waiting, []), jobs=2) == 0
+    assert started == [2] * (1 + restarts)  # at the start, then after polls 2 and 4 short of workers
 
 
 def test_a_report_keeps_the_points_its_committed_tables_hold_unless_told(monkeypatch, tmp_path):
