@@ -220,20 +220,23 @@ def report(pts: dict[str, list[str]], sft_lr: str | None = None, rl_lr: str | No
     return write_report(STEM + tag(sft_lr, rl_lr), kept, "policy", head, verdict(kept))
 
 
+def learning_rate(text: str) -> str:
+    """argparse type: a learning rate > 0, as the point names and `-S` settings write it (`1e-3` -> `0.001`)."""
+    return f"{positive_float(text):g}"
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     """bench/offpolicy.py's point parser and `--large-sft-lr` (this bench's and bench/rm_size.py's)."""
     ap = offpolicy.point_parser(doc)
-    ap.add_argument(
-        "--large-sft-lr", type=positive_float, help="the large SFT's learning rate (default: the profile's)"
-    )
+    ap.add_argument("--large-sft-lr", type=learning_rate, help="the large SFT's learning rate (default: the profile's)")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = parser(__doc__)
-    ap.add_argument("--large-rl-lr", type=positive_float, help="the large policy's RL learning rate (train.*)")
+    ap.add_argument("--large-rl-lr", type=learning_rate, help="the large policy's RL learning rate (train.*)")
     args = ap.parse_args(argv)
-    sft_lr, rl_lr = (None if lr is None else f"{lr:g}" for lr in (args.large_sft_lr, args.large_rl_lr))
+    sft_lr, rl_lr = args.large_sft_lr, args.large_rl_lr
     if args.command == "queue":
         hold_reward_model()
     pts = points(sft_lr=sft_lr, rl_lr=rl_lr)

@@ -188,7 +188,7 @@ def report(pts: dict[str, list[str]], sft_lr: str | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = policy_size.parser(__doc__).parse_args(argv)
-    sft_lr = None if args.large_sft_lr is None else f"{args.large_sft_lr:g}"
+    sft_lr = args.large_sft_lr
     pts = points(sft_lr=sft_lr)
     if args.command == "list":
         print(offpolicy.point_lines({build(sft_lr)[0]: build_settings(sft_lr), **pts}))
