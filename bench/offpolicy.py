@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pandas as pd
 import yaml
-from common import run_main  # bench/ is sys.path[0]
+from common import positive_int, run_main  # bench/ is sys.path[0]
 
 from rlhf.io import write_text
 
@@ -395,7 +395,9 @@ def point_parser(doc: str, *commands: str) -> argparse.ArgumentParser:
     `commands`, and `--jobs`."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["list", "queue", "report", *commands])
-    ap.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
+    ap.add_argument(
+        "--jobs", type=positive_int, default=2, help="queue workers running at once (default 2: one per core)"
+    )
     return ap
 
 
@@ -413,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("list", help="every point: its name and its -S settings")
     q = sub.add_parser("queue", help="queue the missing points and run them")
-    q.add_argument("--jobs", type=int, default=2, help="queue workers running at once (default 2: one per core)")
+    q.add_argument(
+        "--jobs", type=positive_int, default=2, help="queue workers running at once (default 2: one per core)"
+    )
     r = sub.add_parser("report", help="the table and the figures")
     r.add_argument("--replace", action="store_true", help="write the tables even where they drop points they hold")
     for p in (listing, q, r):
