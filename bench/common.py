@@ -17,19 +17,14 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from rlhf.runtime import int_argument
+
 ROOT = Path(__file__).resolve().parent.parent
 PIPELINE_INPUTS = ("prepared", "gold", "sft", "reward")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer > 0 (a count of seeds, rounds, prompts, episodes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value}")
-    return value
+# argparse type: an integer > 0 (a count of seeds, rounds, prompts, episodes, jobs)
+positive_int = int_argument(1)
 
 
 def positive_float(text: str) -> float:

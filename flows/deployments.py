@@ -148,38 +148,24 @@ def _raise_interrupt(signum, frame):  # SIGTERM (a supervisor, a test) shuts dow
     raise KeyboardInterrupt
 
 
-def _whole(low: int, high: int | None = None):
-    """argparse type: an integer in [low, high] (high None: no upper bound)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low or (high is not None and value > high):
-            bounds = f">= {low}" if high is None else f"{low}-{high}"
-            raise argparse.ArgumentTypeError(f"expected an integer {bounds}, got {text!r}")
-        return value
-
-    return parse
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m flows.deployments", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     from rlhf import runtime
 
-    parser.add_argument("--port", type=_whole(1, 65535), default=None, help="default: $PREFECT_PORT, else 4200")
-    parser.add_argument("--limit", type=_whole(1), default=1, help="flow runs at once (default 1: a run uses the CPU)")
+    parser.add_argument(
+        "--port", type=runtime.int_argument(1, 65535), default=None, help="default: $PREFECT_PORT, else 4200"
+    )
+    parser.add_argument(
+        "--limit", type=runtime.int_argument(1), default=1, help="flow runs at once (default 1: a run uses the CPU)"
+    )
     args = parser.parse_args(argv)
     try:
-        args.port = args.port or runtime.env_int("PREFECT_PORT", DEFAULT_PORT, minimum=1)
+        args.port = args.port or runtime.env_int("PREFECT_PORT", DEFAULT_PORT, minimum=1, maximum=65535)
         start_timeout = runtime.env_int("RLHF_SERVER_START_TIMEOUT", START_TIMEOUT, minimum=1)
     except ValueError as e:
         parser.error(str(e))  # one line, exit 2
-    if args.port > 65535:
-        parser.error(f"environment variable PREFECT_PORT='{args.port}': expected an integer 1-65535")
 
     runtime.configure()  # offline, quiet, PREFECT_HOME=.cache/prefect: before prefect reads its settings
     api_url = f"http://{HOST}:{args.port}/api"

@@ -186,18 +186,40 @@ def _skip_deepspeed_shm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # ShareMemCommBuilder.NAME
 
 
-def env_int(name: str, default: int, minimum: int = 0) -> int:
+def bounded_int(text: str, minimum: int = 0, maximum: int | None = None) -> int:
+    """`text` as an integer in [minimum, maximum] (maximum None: no upper bound); else ValueError saying which."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"{minimum}-{maximum}"
+        raise ValueError(f"expected an integer {bounds}")
+    return value
+
+
+def int_argument(minimum: int = 0, maximum: int | None = None):
+    """argparse type: an integer in [minimum, maximum], refused in argparse's one line naming the argument."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            return bounded_int(text, minimum, maximum)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e}, got {text!r}") from None
+
+    return parse
+
+
+def env_int(name: str, default: int, minimum: int = 0, maximum: int | None = None) -> int:
     """An integer environment variable the project reads; a malformed one is a one-line error naming it."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise ValueError(f"environment variable {name}={raw!r}: expected an integer >= {minimum}")
-    return value
+        return bounded_int(raw, minimum, maximum)
+    except ValueError as e:
+        raise ValueError(f"environment variable {name}={raw!r}: {e}") from None
 
 
 def device():

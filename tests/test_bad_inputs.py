@@ -223,7 +223,7 @@ def test_a_malformed_environment_variable_is_one_line_naming_it(tmp_path):
     with pytest.raises(ValueError, match="environment variable WANDB_MODE='offlne': expected one of online, offline"):
         wandb_mode("offline", {"WANDB_MODE": "offlne"})
     for variable, value, message in [
-        ("PREFECT_PORT", "42OO", "environment variable PREFECT_PORT='42OO': expected an integer >= 1"),
+        ("PREFECT_PORT", "42OO", "environment variable PREFECT_PORT='42OO': expected an integer 1-65535"),
         ("PREFECT_PORT", "99999", "environment variable PREFECT_PORT='99999': expected an integer 1-65535"),
         (
             "RLHF_SERVER_START_TIMEOUT",

@@ -28,9 +28,9 @@ def test_every_bench_answers_help_without_running(script):
 @pytest.mark.parametrize(
     ("script", "args", "rc", "names"),
     [
-        ("async_vs_sync.py", ["--seeds", "0"], 2, "argument --seeds: expected an integer > 0, got 0"),
+        ("async_vs_sync.py", ["--seeds", "0"], 2, "argument --seeds: expected an integer >= 1, got '0'"),
         ("vs_trl.py", ["--repeats", "0"], 2, "argument --repeats"),
-        ("policy_size.py", ["queue", "--jobs", "0"], 2, "argument --jobs: expected an integer > 0, got 0"),
+        ("policy_size.py", ["queue", "--jobs", "0"], 2, "argument --jobs: expected an integer >= 1, got '0'"),
         ("scaling.py", ["--batches", "8,a"], 2, "argument --batches: expected comma-separated integers > 0"),
         ("policy_size.py", ["list", "--large-sft-lr", "-1"], 2, "argument --large-sft-lr: expected a number > 0"),
         ("pipeline_costs.py", ["--runs", "dvc,nosuch"], 2, "--runs: unknown run 'nosuch'"),
