@@ -55,9 +55,10 @@ $(STAMP): pyproject.toml
 	[ "$(VLLM)" = gpu ] || $(UV) pip uninstall $(UV_ARGS) torchvision torchaudio torchcodec 2>/dev/null || true
 	@touch $(STAMP)
 
+# The last stage, report, prints the headline table when it runs; the page is its output (dvc.yaml).
 run: $(STAMP)
 	$(ENV) dvc repro
-	$(ENV) rlhf report
+	@echo "results: data/report/index.html (the page), data/metrics/eval.json (dvc metrics show)"
 
 # The paper's off-policy experiment (its Fig. 3/4) as a grid of DVC experiments, then its table and figures
 # (bench/offpolicy.py; README: "Which algorithm survives off-policy data"). Points already run are kept.

@@ -8,14 +8,13 @@ One run:
      rlhf.config before any stage runs (a bad config fails at once, without retries);
   3. every dvc.yaml stage, in dependency order, as a `stage` task (`dvc repro --single-item <stage>`);
      the clone first checks out the outputs dvc.lock records from the shared cache, so a stage whose inputs
-     are unchanged is skipped instead of run again;
-  4. `rlhf report` there (data/report/index.html);
-  5. `dvc exp save --name <experiment>` there (the report included), and its ref fetched into the project:
+     are unchanged is skipped instead of run again; the last, `report`, writes data/report/index.html;
+  4. `dvc exp save --name <experiment>` there, and its ref fetched into the project:
      `dvc exp show` lists the run with its params and metrics, `dvc exp diff` compares it;
-  6. the run's results as Prefect artifacts, visible in the UI beside its task states: the headline metrics and
+  5. the run's results as Prefect artifacts, visible in the UI beside its task states: the headline metrics and
      the win-rate vs KL frontier as tables, a link to a copy of the report (.cache/reports/<experiment>/), every
      metric;
-  7. the clone is removed (its outputs stay in the shared DVC cache).
+  6. the clone is removed (its outputs stay in the shared DVC cache).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from rlhf.presets import PRESETS
 from rlhf.report import named_metrics
 from tasks.stages import Pipeline, run_stage
 
-REPORT = "data/report/index.html"  # written by `rlhf report` (rlhf/report.py)
+REPORT = "data/report/index.html"  # written by the report stage (rlhf/report.py)
 EVAL_METRICS = "data/metrics/eval.json"  # the headline results (dvc.yaml's one metrics file)
 TRAINERS: tuple[str, ...] = tuple(PRESETS)
 Trainer = Literal[TRAINERS]  # type: ignore[valid-type]  # a dropdown in the Prefect UI
@@ -90,12 +89,6 @@ def workspace(project: Path, name: str) -> Iterator[Path]:
         yield ws
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-
-@task(name="report", task_run_name="report", cache_policy=NONE)
-def write_report(ws: str) -> None:
-    """`rlhf report` in the workspace: data/report/index.html, saved with the experiment."""
-    run_tool(["rlhf", "report"], Path(ws))
 
 
 @task(name="artifacts", task_run_name="artifacts", cache_policy=NONE)
@@ -161,12 +154,12 @@ def _rounded(value):
 def save_experiment(project: str, ws: str, name: str, metrics: list[str]) -> str:
     """`dvc exp save` the workspace as experiment `name` and fetch its ref into the project.
 
-    dvc.lock, the metrics, every stage's data/metrics file (diagnostics: plain outs), the plots files and the report
-    go in: `cache: false` outputs and a page that git ignores; `-I` puts them in the experiment commit so `dvc exp
+    dvc.lock, the metrics, every stage's data/metrics file (diagnostics: plain outs) and the plots files go in:
+    `cache: false` outputs, which git would otherwise skip; `-I` puts them in the experiment commit so `dvc exp
     show` / `dvc plots diff` / `dvc exp apply` can read them. Returns the ref.
     """
     ws_path = Path(ws)
-    files = ["dvc.lock", *metrics, REPORT]
+    files = ["dvc.lock", *metrics]
     files += [str(p.relative_to(ws_path)) for p in sorted((ws_path / "data" / "metrics").glob("*.json"))]
     files += [str(p.relative_to(ws_path)) for p in sorted((ws_path / "data" / "plots").glob("*.csv"))]
     includes = [arg for f in dict.fromkeys(files) if (ws_path / f).exists() for arg in ("-I", f)]
@@ -219,7 +212,6 @@ def rlhf(
             upstream = [futures[u] for u in pipeline.upstream[stage]]
             futures[stage] = run_stage.submit(stage, str(ws), pipeline.metrics[stage], wait_for=upstream)
             metrics.update(futures[stage].result())  # one stage at a time: the stages share the machine
-        write_report(str(ws))
         save_experiment(str(project), str(ws), name, [m for stage in pipeline.order for m in pipeline.metrics[stage]])
         publish_artifacts(str(project), str(ws), name, metrics)
     logger.info("saved DVC experiment %s: `dvc exp show` lists it, `dvc exp diff %s` compares it", name, name)

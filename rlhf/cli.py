@@ -34,11 +34,12 @@ STAGE_OUTPUTS = {
     "train": "train",
     "generate": "generations",
     "evaluate": "eval",
+    "report": "report",
 }
 PIPELINE = tuple(STAGE_OUTPUTS)
 # Stages that never import torch (pandas, scikit-learn, numpy): importing it only to set its threads cost every run
 # of them 1.1 s on an AVX-512 box and ~5.5 s on an AVX2-only one (tests/test_config.py holds them to it).
-WITHOUT_TORCH = ("prepare", "gold")
+WITHOUT_TORCH = ("prepare", "gold", "report")
 HELP = {
     "prepare": "build the prompt/SFT/gold splits of the task under data/prepared",
     "gold": "fit the gold judge on the human labels; held-out accuracy to data/metrics/gold.json",
@@ -47,6 +48,7 @@ HELP = {
     "train": "online RL with a trainer preset (--trainer NAME)",
     "generate": "near-greedy generations of the trained and SFT policies on the eval prompts",
     "evaluate": "gold win-rates, KL to the SFT policy and proxy reward of the generations",
+    "report": "print the headline metrics as a table and write data/report/index.html (charts)",
 }
 
 
@@ -85,7 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the resolved configuration as YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     sub.add_parser("profiles", help="list the profiles in params.yaml")
-    sub.add_parser("report", help="print the final metrics as a table and write data/report/index.html (charts)")
     return parser
 
 
@@ -166,11 +167,6 @@ def _run(argv: list[str] | None) -> int:
 
             print("\n".join(profiles(args.params)))
             return 0
-        if args.command == "report":
-            from rlhf.report import print_report
-
-            cfg = load_config(args.params, args.profile)
-            return print_report(cfg, args.params)
         overrides = list(args.overrides)
         if getattr(args, "trainer", None):
             overrides.append(f"train.trainer={args.trainer}")
@@ -190,7 +186,11 @@ def _run(argv: list[str] | None) -> int:
             _check_runnable_here(cfg)
         with stage_lock(lock_file(cfg.data_dir, args.command), args.command, cfg.data_dir, runtime.env_int("RANK", 0)):
             with published_together(outputs):  # the stage's outputs and its record move in together, or none
-                importlib.import_module(f"rlhf.stages.{args.command}").run(cfg)
+                stage = importlib.import_module(f"rlhf.stages.{args.command}")
+                if args.command == "report":  # its header measures the settings against the params file's profile
+                    stage.run(cfg, args.params)
+                else:
+                    stage.run(cfg)
                 if runtime.env_int("RANK", 0) == 0:
                     built_with.record(cfg, args.command, STAGE_OUTPUTS[args.command])
         record_stage_cost(args.command, cfg.profile)

@@ -137,7 +137,7 @@ def _commit() -> str:
 
 
 def print_report(cfg: Config, params: Path | str = DEFAULT_PARAMS) -> int:
-    changed = changed_settings(params, cfg.profile)
+    changed = changed_settings(cfg, params)
     for field, value in run_header(cfg, changed):
         print(f"{field}: {value}")
     rows = headline_rows(cfg)

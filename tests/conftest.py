@@ -152,19 +152,25 @@ def drawn_offline(page: Path, tmp_path: Path) -> str:
     return proc.stdout
 
 
+def copy_pipeline(path: Path) -> None:
+    """dvc.yaml and the files its stages depend on outside data/ into the folder `path`: the `rlhf` code (what they
+    run, `python -m rlhf.cli` in the copy) and bench/metrics/offpolicy.csv (the report's off-policy section)."""
+    (path / "bench" / "metrics").mkdir(parents=True)
+    for name in ("dvc.yaml", ".gitignore", ".dvcignore", "bench/metrics/offpolicy.csv"):
+        shutil.copy(ROOT / name, path / name)
+    shutil.copytree(ROOT / "rlhf", path / "rlhf", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+
+
 def make_dvc_repo(path: Path, cache: Path | None = None, prepare_only: bool = False) -> Path:
     """A git+DVC copy of the project's pipeline: dvc.yaml, params.yaml and the `rlhf` code its stages depend on.
 
     cache: a DVC cache folder to use (the session's `dvc_cache`) instead of the repo's own.
     prepare_only: dvc.yaml cut to its first stage (seconds, no torch): for tests of what runs the pipeline (a Prefect
     worker, a server gone mid-run), not of the stages."""
-    path.mkdir(parents=True)
-    for name in ("dvc.yaml", "params.yaml", ".gitignore", ".dvcignore"):
-        shutil.copy(ROOT / name, path / name)
+    copy_pipeline(path)
+    shutil.copy(ROOT / "params.yaml", path / "params.yaml")
     if prepare_only:
         (path / "dvc.yaml").write_text((ROOT / "dvc.yaml").read_text().split("\n  gold:")[0] + "\n")
-    # The stages' code is a DVC dep of theirs, and what they run (`python -m rlhf.cli` in the copy).
-    shutil.copytree(ROOT / "rlhf", path / "rlhf", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     for cmd in (
         ["git", "init", "-q", "-b", "main"],

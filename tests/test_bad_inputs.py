@@ -288,9 +288,7 @@ def test_a_damaged_json_file_of_our_own_is_named_with_the_fix(ci_data, tmp_path)
 
     damaged = ci_data / "metrics" / "reward.json"
     damaged.write_text('{"agreement_heldout": 0.7,\n')  # cut off mid-write
-    params = tmp_path / "params.yaml"  # `rlhf report` takes no overrides: its data_dir comes from the params file
-    params.write_text(f"data_dir: {ci_data}\n" + PARAMS.read_text())
-    proc = run_cli("--profile", "ci", "report", params=params)
+    proc = run_cli("--profile", "ci", "report", f"data_dir={ci_data}")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     [line] = [x for x in proc.stderr.strip().splitlines() if x.startswith("rlhf report: error:")]
     assert f"{damaged}: damaged JSON" in line and "re-run the step that wrote it" in line

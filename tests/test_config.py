@@ -141,7 +141,7 @@ def test_non_utf8_params_file_is_named(tmp_path):
 def test_cli_help_lists_the_stages():
     proc = run_cli("--help")
     assert proc.returncode == 0
-    for stage in ("prepare", "gold", "sft", "reward", "train", "generate", "evaluate"):
+    for stage in ("prepare", "gold", "sft", "reward", "train", "generate", "evaluate", "report"):
         assert stage in proc.stdout
 
 
@@ -171,20 +171,22 @@ def test_config_and_its_errors_answer_without_importing_torch():
     assert "train.lr: unknown key" in proc.stderr
 
 
-def test_the_prepare_and_gold_stages_run_without_importing_torch(tmp_path):
-    """rlhf.cli.WITHOUT_TORCH: both stages, run through the CLI's main on the ci profile, leave torch unimported
-    (an import of torch creeping into either, directly or through a library, fails here)."""
+def test_the_prepare_gold_and_report_stages_run_without_importing_torch(tmp_path):
+    """rlhf.cli.WITHOUT_TORCH: the three stages, run through the CLI's main on the ci profile, leave torch unimported
+    (an import of torch creeping into one, directly or through a library, fails here); the report over the
+    metrics of only these stages says the others have not run."""
     probe = (
         "import sys; from rlhf.cli import main; "
         "codes = [main(['--params', sys.argv[1], '--profile', 'ci', stage, 'data_dir=' + sys.argv[2]]) "
-        "for stage in ('prepare', 'gold')]; "
+        "for stage in ('prepare', 'gold', 'report')]; "
         "print(codes, 'torch' in sys.modules)"
     )
     proc = subprocess.run(
         [sys.executable, "-c", probe, str(PARAMS), str(tmp_path)], cwd=ROOT, capture_output=True, text=True
     )
-    assert proc.stdout.strip().endswith("[0, 0] False"), proc.stdout[-1000:] + proc.stderr[-2000:]
+    assert proc.stdout.strip().endswith("[0, 0, 0] False"), proc.stdout[-1000:] + proc.stderr[-2000:]
     assert (tmp_path / "gold" / "judge.json").exists()
+    assert "<td>train</td><td>(not run)</td>" in (tmp_path / "report" / "index.html").read_text()
 
 
 def test_cli_config_prints_the_resolved_values():

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import warm
-from conftest import ROOT, drawn_offline
+from conftest import ROOT, copy_pipeline, drawn_offline
 
 from rlhf.tracking import logged_rows
 
@@ -47,10 +47,7 @@ def sh(*cmd, cwd, check=True):
 def pipeline_repo(repo, dvc_cache, params_text: str):
     """A git + DVC repository of the project's pipeline at `repo` with `params_text` as params.yaml, reproduced."""
     repo.mkdir(parents=True, exist_ok=True)
-    for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
-        shutil.copy(ROOT / name, repo / name)
-    # the stages depend on their code (dvc.yaml deps): the repo carries a copy, the venv runs the same code
-    shutil.copytree(ROOT / "rlhf", repo / "rlhf", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_pipeline(repo)  # the stages' code: a dep of theirs (the venv runs the same code)
     (repo / "params.yaml").write_text(params_text)
     sh("git", "init", "-q", cwd=repo)
     sh("git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty", "-m", "empty", cwd=repo)
@@ -159,16 +156,16 @@ def test_dvc_plots_show_draws_every_chart_offline(repo, tmp_path):
     assert dom.count("<path") > 20  # the marks have geometry
 
 
-def test_the_report_has_every_section_and_its_charts_load_offline(repo, tmp_path):
+def test_the_report_stage_has_every_section_and_its_charts_load_offline(repo, tmp_path):
+    """`dvc repro` ends in the report stage: its page, every section, each chart drawn (a DVC output, up to date)."""
     from rlhf.report import SECTIONS
 
-    out = sh("rlhf", "report", cwd=repo).stdout
     page = repo / "data" / "report" / "index.html"
-    assert f"report: {page.relative_to(repo)}" in out, out
     html = page.read_text()
+    assert "<h1>asyncrlhf: profile ci, trainer online_dpo</h1>" in html
     assert all(f"<h2>{title}</h2>" in html for title in SECTIONS)
     assert "Not an asynchronous run" in html  # online_dpo: the timeline section says why it has no chart
-    assert "Not run yet: `make offpolicy`" in html  # this project has no off-policy grid (bench/metrics/offpolicy.csv)
+    assert "report" not in sh("dvc", "status", "report", cwd=repo).stdout  # "Data and pipelines are up to date."
     # Chromium reports each image's decoded width: a script added to a copy of the page, the network off
     probe = (
         "<script>onload = () => document.body.dataset.widths = [...document.images].map(i => i.naturalWidth)</script>"
@@ -176,7 +173,7 @@ def test_the_report_has_every_section_and_its_charts_load_offline(repo, tmp_path
     (tmp_path / "probe.html").write_text(html.replace("</body>", probe + "</body>"))
     dom = drawn_offline(tmp_path / "probe.html", tmp_path)
     widths = re.search(r'data-widths="([\d,]*)"', dom).group(1).split(",")
-    assert len(widths) == 3 and all(int(w) > 300 for w in widths), widths  # frontier, over episodes, phases
+    assert len(widths) == 4 and all(int(w) > 300 for w in widths), widths  # frontier, episodes, phases, off-policy
 
 
 def test_changing_a_train_param_shows_in_params_and_metrics_diff(repo):
@@ -184,6 +181,8 @@ def test_changing_a_train_param_shows_in_params_and_metrics_diff(repo):
     (repo / "params.yaml").write_text(text.replace("trainer: online_dpo", "trainer: rloo", 1))
     out = sh("dvc", "repro", cwd=repo).stdout
     assert "Running stage 'train'" in out and "Running stage 'prepare'" not in out
+    # the page follows the run: `dvc exp run` and `dvc repro` redraw it, no separate command to forget
+    assert "Running stage 'report'" in out and "trainer rloo</h1>" in (repo / "data/report/index.html").read_text()
     params = sh("dvc", "params", "diff", "--json", cwd=repo).stdout
     assert json.loads(params)["params.yaml"]["train.trainer"] == {"old": "online_dpo", "new": "rloo"}
     metrics = json.loads(sh("dvc", "metrics", "diff", "--json", cwd=repo).stdout)

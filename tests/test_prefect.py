@@ -460,7 +460,7 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     tasks.sort(key=lambda t: t["start_time"])
     names = [t["name"] for t in tasks]
     stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
-    assert sorted(names) == sorted([*stages, "report", "dvc exp save", "artifacts"])
+    assert "report" in stages and sorted(names) == sorted([*stages, "dvc exp save", "artifacts"])
     assert (names[0], *names[-4:]) == (
         "prepare",
         "evaluate",

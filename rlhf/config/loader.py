@@ -157,11 +157,11 @@ def _resolve(user: dict, profile: str | None, params_path: Path) -> Config:
         raise ConfigError(_format_error(e)) from None
 
 
-def changed_settings(params_path: Path | str = DEFAULT_PARAMS, profile: str | None = None) -> dict[str, tuple]:
-    """{dotted key: (the profile's value, the run's value)} for what params.yaml sets on top of its profile and
-    trainer (the profile and the trainer themselves left out: a run names them on their own)."""
+def changed_settings(cfg: Config, params_path: Path | str = DEFAULT_PARAMS) -> dict[str, tuple]:
+    """{dotted key: (the profile's value, the run's value)} for what the run `cfg` (params.yaml and any overrides)
+    sets on top of its profile and trainer as `params_path` defines them (the profile and the trainer themselves
+    left out: a run names them on its own)."""
     params_path = Path(params_path)
-    cfg = load_config(params_path, profile)
     only_profile = {"profiles": _read_params(params_path).get("profiles"), "train": {"trainer": cfg.train.trainer}}
     base = flatten(_resolve(only_profile, cfg.profile, params_path).model_dump(mode="json"))
     run = flatten(cfg.model_dump(mode="json"))
