@@ -368,7 +368,7 @@ def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ..
     """bench/metrics/offpolicy.csv (every kept policy), offpolicy.md (the tables), offpolicy.png (the figure); other
     seeds than the default grid's write offpolicy_seeds<a>-<b>.* beside them. Tables that hold points this project
     has not run (committed from another machine) are kept unless `replace`."""
-    from rlhf.report import offpolicy_png
+    from rlhf.stages.report import offpolicy_png
 
     frame = frontier_rows(exps, pts)
     if frame.empty:

@@ -36,10 +36,10 @@ from prefect.runtime import flow_run
 from flows.workspace import clone_at_head, run_tool, set_params
 from rlhf.config import flatten, load_config, profile_note
 from rlhf.presets import PRESETS
-from rlhf.report import named_metrics
+from rlhf.stages.report import named_metrics
 from tasks.stages import Pipeline, run_stage
 
-REPORT = "data/report/index.html"  # written by the report stage (rlhf/report.py)
+REPORT = "data/report/index.html"  # written by the report stage (rlhf/stages/report.py)
 EVAL_METRICS = "data/metrics/eval.json"  # the headline results (dvc.yaml's one metrics file)
 TRAINERS: tuple[str, ...] = tuple(PRESETS)
 Trainer = Literal[TRAINERS]  # type: ignore[valid-type]  # a dropdown in the Prefect UI

@@ -158,7 +158,7 @@ def test_dvc_plots_show_draws_every_chart_offline(repo, tmp_path):
 
 def test_the_report_stage_has_every_section_and_its_charts_load_offline(repo, tmp_path):
     """`dvc repro` ends in the report stage: its page, every section, each chart drawn (a DVC output, up to date)."""
-    from rlhf.report import SECTIONS
+    from rlhf.stages.report import SECTIONS
 
     page = repo / "data" / "report" / "index.html"
     html = page.read_text()

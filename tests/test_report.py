@@ -87,7 +87,7 @@ def test_headline_table_has_a_header_row_units_meanings_and_three_digits(checkou
 def test_frontier_joins_points_in_training_order_and_names_them_in_a_legend():
     from matplotlib.figure import Figure
 
-    from rlhf.report import _frontier_chart
+    from rlhf.stages.report import _frontier_chart
 
     ax = Figure().subplots()
     _frontier_chart(ax, FRONTIER.sort_values("kl"))  # frontier.csv's row order is no promise

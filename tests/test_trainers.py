@@ -98,7 +98,7 @@ def test_the_tracked_rows_file_holds_results_only_and_the_timing_file_the_wall_c
     """Tracker.finish: plots/train.csv (in git) without timing/* and eps, so an identical rerun leaves it and
     dvc.lock unchanged; timing/train.csv (a DVC output) with them and the axes; logged_rows joins them back. A
     timing file of another run (other row count) is an error naming it."""
-    from rlhf.report import write_report
+    from rlhf.stages.report import write_report
     from rlhf.tracking import Tracker, logged_rows
 
     cfg = ci_config(tmp_path, "tracking.wandb_mode=disabled")
