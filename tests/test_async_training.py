@@ -15,10 +15,10 @@ from conftest import COMMAND_TIMEOUT, ROOT, accelerate_launch, ci_config, rlhf_c
 from test_resume import results, rows
 from transformers import AutoModelForCausalLM
 
-from rlhf import report
 from rlhf.generation.base import Generated
 from rlhf.generation.factory import Placement, placement
 from rlhf.generation.shared import split_by_rank
+from rlhf.stages import report
 from rlhf.trainers.loop import train
 
 pytestmark = pytest.mark.slow

@@ -96,7 +96,10 @@ def test_points_run_through_the_dvc_queue_once_and_reach_the_tables(tmp_path, dv
     shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
     names = {r["name"] for c in shown for e in c.get("experiments") or [] for r in e["revs"]}
     assert "op-online_dpo-n4-s1" in names
-    report = run_ok([*script, "report", *only], repo, env)
+    # the project carries the committed grid (a dep of the report stage): its points are not this project's runs
+    kept = subprocess.run([*script, "report", *only], cwd=repo, env=env, capture_output=True, text=True)
+    assert kept.returncode == 1 and "point(s) not among this project's finished experiments" in kept.stderr
+    report = run_ok([*script, "report", "--replace", *only], repo, env)
     assert "| online_dpo | 4 |" in report and "1 of 1 points" in report and "No verdict" in report
     frame = pd.read_csv(repo / "bench" / "metrics" / "offpolicy.csv")
     assert set(frame["N"]) == {4} and set(frame["seed"]) == {1} and (frame["fraction"] == 1.0).sum() == 1

@@ -80,7 +80,7 @@ def test_real_pipeline_order_comes_from_dvc_yaml():
     assert sorted(order) == sorted(declared)
     for stage, upstream in pipeline.upstream.items():
         assert all(order.index(u) < order.index(stage) for u in upstream), (stage, upstream)
-    assert order[0] == "prepare" and order[-1] == "evaluate"
+    assert order[0] == "prepare" and order[-2:] == ["evaluate", "report"]
     assert set(pipeline.upstream["train"]) == {"prepare", "sft", "reward", "gold"}
     assert pipeline.metrics["train"] == [] and pipeline.metrics["evaluate"] == ["data/metrics/eval.json"]
 
@@ -228,7 +228,7 @@ print('NO-PREFECT-OK', len(rlhf.cli.PIPELINE))
         timeout=COMMAND_TIMEOUT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "NO-PREFECT-OK 7" in proc.stdout
+    assert "NO-PREFECT-OK 8" in proc.stdout
 
 
 def test_dvc_repro_runs_a_stage_without_prefect(tmp_path):
