@@ -223,6 +223,18 @@ def test_dvc_exp_show_compares_experiments_in_120_columns(repo):
         assert ["ci", "online_dpo"] in [row[-2:] for row in rows], out  # the commit the experiment started from
 
 
+def test_dvc_exp_apply_brings_back_an_experiments_results_and_report(repo):
+    """The README's step 3 after the test above: another experiment writes its results and report over the
+    workspace's; `dvc exp apply` of the saved one brings back its metrics and its page, and DVC has nothing to rerun."""
+    saved = (repo / "data" / "metrics" / "eval.json").read_text()
+    sh("dvc", "exp", "run", "-n", "bok-ci", "-S", "train.trainer=bok", cwd=repo)
+    page = repo / "data" / "report" / "index.html"
+    assert "trainer bok</h1>" in page.read_text()
+    sh("dvc", "exp", "apply", "rloo-ci", cwd=repo)
+    assert "trainer rloo</h1>" in page.read_text() and (repo / "data/metrics/eval.json").read_text() == saved
+    assert "up to date" in sh("dvc", "status", cwd=repo).stdout
+
+
 def test_the_math_task_end_to_end_with_dvc_repro(tmp_path, dvc_cache):
     """data.source: math through every stage of `dvc repro`: no reward model, GRPO on the rule reward scored in the
     async engine's process, accuracy / pass@k / KL from evaluate."""
