@@ -22,16 +22,21 @@ def run_tool(cmd: list[str], cwd: Path, stdin: bytes | None = None) -> str:
     return proc.stdout.decode(errors="replace")
 
 
+# The author of a run's experiment commit where the project's git has none (a fresh machine, a container, a Prefect
+# worker): without one `dvc exp save` failed the run at its end, after every stage had run.
+NO_IDENTITY = {"user.name": "rlhf flow", "user.email": "rlhf-flow@localhost"}
+
+
 def clone_at_head(project: Path, dest: Path) -> Path:
     """`dest`: a clone of `project` at HEAD (objects borrowed with --shared) plus its uncommitted changes to
-    tracked files, commits authored as the project's git user. A clone, not a worktree: its refs are its own."""
+    tracked files, commits authored as the project's git user (NO_IDENTITY where it has none). A clone, not a
+    worktree: its refs are its own."""
     head = run_tool(["git", "rev-parse", "HEAD"], project).strip()
     run_tool(["git", "clone", "--quiet", "--shared", "--no-checkout", str(project), str(dest)], dest.parent)
     run_tool(["git", "checkout", "--quiet", "--detach", head], dest)
-    for key in ("user.name", "user.email"):
+    for key, fallback in NO_IDENTITY.items():
         value = subprocess.run(["git", "config", key], cwd=project, capture_output=True, text=True).stdout.strip()
-        if value:
-            run_tool(["git", "config", key, value], dest)
+        run_tool(["git", "config", key, value or fallback], dest)
     diff = subprocess.run(["git", "diff", "--binary", "HEAD"], cwd=project, capture_output=True, check=True).stdout
     if diff.strip():
         run_tool(["git", "apply", "--whitespace=nowarn"], dest, stdin=diff)

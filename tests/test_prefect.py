@@ -590,6 +590,30 @@ def test_prefect_yaml_declares_the_served_deployments_on_a_process_pool():
     )
 
 
+def test_a_project_without_a_git_identity_still_saves_its_experiment(tmp_path, monkeypatch):
+    """A fresh machine, a container or a Prefect worker may have no git user: the run's clone then authors its
+    experiment commit as flows.workspace.NO_IDENTITY (was: `dvc exp save` failed the run after every stage ran)."""
+    from flows.workspace import NO_IDENTITY, clone_at_head
+
+    home = tmp_path / "home"
+    home.mkdir()
+    for variable in ("HOME", "XDG_CONFIG_HOME"):
+        monkeypatch.setenv(variable, str(home))  # no ~/.gitconfig: git has no user here
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    env = isolated_env(tmp_path)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "params.yaml").write_text("seed: 1\n")
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"]):
+        run_ok(cmd, project, env)
+    run_ok(["git", "-c", "user.name=a", "-c", "user.email=a@localhost", "commit", "-qm", "c"], project, env)
+    assert subprocess.run(["git", "config", "user.name"], cwd=project, env=env).returncode == 1  # none set
+    clone = clone_at_head(project, tmp_path / "clone")
+    run_ok(["dvc", "exp", "save", "-n", "no-identity"], clone, env)
+    authors = run_ok(["git", "for-each-ref", "--format=%(authorname) %(authoremail)", "refs/exps/"], clone, env)
+    assert f"{NO_IDENTITY['user.name']} <{NO_IDENTITY['user.email']}>" in authors, authors
+
+
 @pytest.mark.slow
 def test_a_run_skips_the_stages_the_projects_dvc_lock_has_done(served, dvc_cache, tmp_path):
     """The run's clone has the outputs its dvc.lock records, from the project's DVC cache: a stage whose inputs did
