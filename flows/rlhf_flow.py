@@ -53,10 +53,13 @@ def project_dir() -> Path:
     return root
 
 
-def experiment_name(trainer: str, run_name: str | None) -> str:
-    """`<trainer>-<flow run name>` with only characters a git ref accepts (e.g. `ppo-crimson-fox`)."""
-    name = f"{trainer.replace('_', '-')}-{run_name or 'run'}"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.")
+def experiment_name(run_name: str | None, taken: set[str]) -> str:
+    """The flow run's name (e.g. `crimson-fox`) with only characters a git ref accepts, `-2`, `-3`, ... added when
+    `taken` has it: the same name in the Prefect UI and in `dvc exp show`. The trainer has its own column there;
+    as a prefix it made names of up to 49 characters, past a 120-column `dvc exp show` (Prefect's run names have
+    at most 26)."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", run_name or "run").strip("-.") or "run"
+    return next(n for n in (name, *(f"{name}-{i}" for i in range(2, len(taken) + 3))) if n not in taken)
 
 
 def existing_experiments(project: Path) -> set[str]:
@@ -183,15 +186,16 @@ def rlhf(
 
     trainer: train.trainer preset. profile: params.yaml profile (None = the file's `profile`).
     overrides: `section.key=value` items (e.g. ["train.k=4"]). experiment: name in `dvc exp show`
-    (default `<trainer>-<flow run name>`).
+    (default: the flow run's name).
     Returns {"experiment": name, "metrics": {metrics file: values}}.
     """
     logger = get_run_logger()
     project = project_dir()
-    name = experiment or experiment_name(trainer, flow_run.get_name())
+    taken = existing_experiments(project)
+    name = experiment or experiment_name(flow_run.get_name(), taken)
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", name) or name.endswith((".", ".lock")):
         raise ValueError(f"experiment name {name!r}: use letters, digits, '.', '_' and '-' (it becomes a git ref)")
-    if name in existing_experiments(project):
+    if name in taken:
         raise ValueError(f"experiment {name!r} already exists in {project}; pick another `experiment` name")
     with workspace(project, name) as ws:
         items = [*([f"profile={profile}"] if profile else []), f"train.trainer={trainer}", *(overrides or [])]

@@ -202,14 +202,17 @@ def test_dvc_plots_diff_overlays_the_workspace_and_head_offline(repo, tmp_path):
 
 # The README's comparison: each experiment's trainer, profile and headline results (DVC names the columns by key).
 EXP_SHOW = ["dvc", "exp", "show", "--drop", ".*", "--keep"]
-EXP_SHOW += ["Experiment|profile$|train.trainer|gold/win_rate_vs_sft|gold/policy|kl/policy_sft_mean"]
-HEADLINE = ["gold/policy", "gold/win_rate_vs_sft", "kl/policy_sft_mean"]  # in DVC's column order
+EXP_SHOW += ["Experiment|profile$|train.trainer|gold/win_rate_vs_sft|kl/policy_sft_mean"]
+HEADLINE = ["gold/win_rate_vs_sft", "kl/policy_sft_mean"]  # in DVC's column order
+# As long as a Prefect run's experiment name can be: its run name (at most 26 characters) and a `-2` (rlhf_flow)
+LONGEST_NAME = "rloo-ci-" + "x" * 20
 
 
 def test_dvc_exp_show_compares_experiments_in_120_columns(repo):
-    """After the change above, saved as an experiment: a row per run, within a 120-column terminal (DVC folds what
-    does not fit into "…"), both through its pager (the table at its own width) and without."""
-    sh("dvc", "exp", "save", "-n", "rloo-ci", cwd=repo)
+    """After the change above, saved as an experiment named as long as the Prefect flow names them: a row per run,
+    within a 120-column terminal (DVC folds what does not fit into "…", but never the names), both through its
+    pager (the table at its own width) and without."""
+    sh("dvc", "exp", "save", "-n", LONGEST_NAME, cwd=repo)
     ev = json.loads((repo / "data" / "metrics" / "eval.json").read_text())
     for pager in ([], ["--no-pager"]):
         out = sh("env", "COLUMNS=120", *EXP_SHOW, *pager, cwd=repo).stdout
@@ -217,9 +220,9 @@ def test_dvc_exp_show_compares_experiments_in_120_columns(repo):
         assert max(map(len, lines)) <= 120 and "…" not in out, out
         assert lines[1].split() == ["Experiment", *HEADLINE, "profile", "train.trainer"], out
         rows = [line.split() for line in lines[3:-1]]
-        (saved,) = [row for row in rows if "[rloo-ci]" in row]
+        (saved,) = [row for row in rows if f"[{LONGEST_NAME}]" in row]
         values = [f"{ev[key]:.5g}" for key in HEADLINE]  # DVC's precision: 5 significant digits
-        assert saved[-5:] == [*values, "ci", "rloo"], out
+        assert saved[-4:] == [*values, "ci", "rloo"], out
         assert ["ci", "online_dpo"] in [row[-2:] for row in rows], out  # the commit the experiment started from
 
 
@@ -230,7 +233,7 @@ def test_dvc_exp_apply_brings_back_an_experiments_results_and_report(repo):
     sh("dvc", "exp", "run", "-n", "bok-ci", "-S", "train.trainer=bok", cwd=repo)
     page = repo / "data" / "report" / "index.html"
     assert "trainer bok</h1>" in page.read_text()
-    sh("dvc", "exp", "apply", "rloo-ci", cwd=repo)
+    sh("dvc", "exp", "apply", LONGEST_NAME, cwd=repo)
     assert "trainer rloo</h1>" in page.read_text() and (repo / "data/metrics/eval.json").read_text() == saved
     assert "up to date" in sh("dvc", "status", cwd=repo).stdout
 

@@ -175,11 +175,12 @@ def test_bad_parameters_fail_as_config_errors(tmp_path):
         load_config(params)
 
 
-def test_experiment_name_is_a_valid_ref():
+def test_experiment_name_is_the_flow_runs_a_valid_ref_and_new():
     from flows.rlhf_flow import experiment_name
 
-    assert experiment_name("online_dpo_vllm", "crimson fox!") == "online-dpo-vllm-crimson-fox"
-    assert experiment_name("ppo", None) == "ppo-run"
+    assert experiment_name("crimson fox!", set()) == "crimson-fox"
+    assert experiment_name(None, set()) == "run"
+    assert experiment_name("crimson-fox", {"crimson-fox", "crimson-fox-2"}) == "crimson-fox-3"  # never refused
 
 
 def test_one_deployment_per_trainer_with_a_paused_schedule():
@@ -498,7 +499,7 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     assert not any(isinstance(row["value"], str) and row["value"].startswith("{") for row in metrics_table)
     assert [row["episode"] for row in json.loads(by_key["rlhf-frontier"]["data"])] == [0, 8, 16]
     note = by_key["rlhf-report"]["data"]
-    copy = repo / ".cache" / "reports" / f"ppo-{run['name']}" / "index.html"
+    copy = repo / ".cache" / "reports" / run["name"] / "index.html"
     assert f"]({copy.as_uri()})" in note and copy.is_file() and "dvc exp apply" not in note
     # quiet logs: DVC's per-stage hints left out, and transformers' bar per model loaded (nothing is downloaded)
     assert not any("git add" in entry["message"] for entry in logs)
@@ -508,7 +509,7 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
     revs = {rev["name"]: rev for b in shown for e in (b.get("experiments") or []) for rev in e["revs"]}
     exps = {exp: rev["data"] for exp, rev in revs.items()}
-    name = f"ppo-{run['name']}"
+    name = run["name"]  # the flow run's name is the experiment's
     assert set(exps) == {name}
     exp_params = exps[name]["params"]["params.yaml"]["data"]
     assert (exp_params["profile"], exp_params["train"]["trainer"], exp_params["seed"]) == ("ci", "ppo", 4321)
@@ -632,7 +633,8 @@ def test_a_run_skips_the_stages_the_projects_dvc_lock_has_done(served, dvc_cache
     assert proc.returncode == 0, out[-3000:]
     assert "Stage 'prepare' didn't change, skipping" in out and "Running stage" not in out, out[-3000:]
     shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
-    assert any(r["name"].startswith("ppo-") for b in shown for e in b.get("experiments") or [] for r in e["revs"])
+    saved = re.search(r"saved DVC experiment (\S+):", out).group(1)  # the flow run's name
+    assert saved in {r["name"] for b in shown for e in b.get("experiments") or [] for r in e["revs"]}, out[-3000:]
 
 
 @pytest.mark.slow
@@ -664,7 +666,7 @@ def test_a_worker_runs_the_ci_deployment_from_the_work_pool(served, dvc_cache, t
     assert run["parameters"] == {"trainer": "online_dpo", "profile": "ci"}
     shown = json.loads(run_ok(["dvc", "exp", "show", "--json"], repo, env))
     names = {rev["name"] for b in shown for e in (b.get("experiments") or []) for rev in e["revs"]}
-    assert f"online-dpo-{run['name']}" in names  # the run's results are an experiment of the worker's project
+    assert run["name"] in names  # the run's results are an experiment of the worker's project
 
 
 @pytest.mark.slow
