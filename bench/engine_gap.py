@@ -19,8 +19,8 @@ import json
 import sys
 
 import numpy as np
-from common import positive_int, run_main  # bench/ is sys.path[0]
-from offpolicy import OUT, committed, experiments, queue
+from common import run_main  # bench/ is sys.path[0]
+from offpolicy import OUT, add_jobs, committed, experiments, queue
 from scipy import stats
 
 from rlhf.io import write_text
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     q = sub.add_parser("queue", help="run the missing points through DVC's queue")
-    q.add_argument("--jobs", type=positive_int, default=2)
+    add_jobs(q)
     sub.add_parser("report", help="the table")
     args = ap.parse_args(argv)
     return queue(points(), args.jobs) if args.command == "queue" else report()

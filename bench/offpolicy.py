@@ -390,14 +390,19 @@ def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ..
     return 0
 
 
+def add_jobs(parser: argparse.ArgumentParser) -> None:
+    """`--jobs`: the queue workers of a bench's `queue` command."""
+    parser.add_argument(
+        "--jobs", type=positive_int, default=2, help="queue workers running at once (default 2: one per core)"
+    )
+
+
 def point_parser(doc: str, *commands: str) -> argparse.ArgumentParser:
     """The command line of a bench of queued points (bench/ppo_epochs.py and others): `list`, `queue`, `report` and
     `commands`, and `--jobs`."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["list", "queue", "report", *commands])
-    ap.add_argument(
-        "--jobs", type=positive_int, default=2, help="queue workers running at once (default 2: one per core)"
-    )
+    add_jobs(ap)
     return ap
 
 
@@ -415,9 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("list", help="every point: its name and its -S settings")
     q = sub.add_parser("queue", help="queue the missing points and run them")
-    q.add_argument(
-        "--jobs", type=positive_int, default=2, help="queue workers running at once (default 2: one per core)"
-    )
+    add_jobs(q)
     r = sub.add_parser("report", help="the table and the figures")
     r.add_argument("--replace", action="store_true", help="write the tables even where they drop points they hold")
     for p in (listing, q, r):
