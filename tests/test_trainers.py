@@ -239,3 +239,28 @@ def test_the_train_stage_takes_every_core_only_when_alone():
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["seen"] == {"alone": result["cores"], "one-of-two-ranks": 1, "beside-an-engine-process": 1}
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "rloo", "online_dpo"])
+def test_every_model_that_samples_or_scores_computes_in_the_training_precision(ci_data, trainer):
+    """train.mixed_precision=bf16: the engine's sampling, the reference, the reward model and (PPO) the value model all
+    run under bf16 autocast, as the update does. PPO's engine samples with the policy inside the policy-and-value
+    wrapper, whose forward accelerate never wrapped: it sampled in float32 (on a GPU, the slowest path)."""
+    from rlhf.trainers import loop
+    from rlhf.trainers.setup import setup
+
+    run = setup(ci_config(ci_data, f"train.trainer={trainer}", "train.mixed_precision=bf16"))
+    seen: dict[str, list[bool]] = {}
+    models = {"policy": run.policy, "reference": run.ref, "reward": getattr(run.reward_fn, "model", None)}
+    if trainer == "ppo":
+        models["value"] = run.acc.unwrap_model(run.model).value_model
+    for name, model in models.items():
+        first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        first.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(name, []).append(o.dtype))
+    try:
+        loop.collect(run, 0, loop.Clock())
+    finally:
+        run.engine.close()
+    assert set(seen) == set(models) - ({"reference"} if run.ref is None else set())
+    assert {name: set(dtypes) for name, dtypes in seen.items()} == {name: {torch.bfloat16} for name in seen}
+    assert len(seen["policy"]) > 1  # the engine's decode steps and the behaviour forward

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,9 +79,20 @@ def gumbel_noise(like: torch.Tensor) -> torch.Tensor:
 class HFEngine:
     lookahead = 0
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, eos_token_id: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        eos_token_id: int,
+        device: torch.device,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
+        """autocast: the training precision's context (the learner's `Accelerator.autocast`): the engine samples with
+        the bare policy, whose forward accelerate wrapped only where the policy is the prepared model itself (not
+        inside PPO's policy-and-value wrapper), so it enters it itself."""
         self.model = model
         self.device = device  # the model's: prompts go there, responses come back to the CPU like any engine's
+        self.autocast = autocast
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
         self.version = 0
@@ -99,7 +110,7 @@ class HFEngine:
         was_training = self.model.training
         self.model.eval()
         sampler, config = _GumbelMaxSampler(p.temperature), self._greedy(p)
-        with gathered_parameters(self.model), _only_generation_config(self.model, config):
+        with gathered_parameters(self.model), _only_generation_config(self.model, config), self.autocast():
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask.long(),

@@ -270,7 +270,7 @@ def _setup_engine(spec: EngineSpec | None, early, policy, tokenizer, acc, proces
     started building first (`_start_engine_early`), else it is built now, in `process` when the stage started one.
     learner_first: train.learner_first_batches, for an async engine (rlhf.generation.learner_first)."""
     world = acc.num_processes
-    hf = HFEngine(policy, device=acc.device, **token_ids(tokenizer))  # holds references only: cheap to make
+    hf = HFEngine(policy, device=acc.device, autocast=acc.autocast, **token_ids(tokenizer))  # references only: cheap
     if spec is None:
         return hf
     if world == 1:
