@@ -1,18 +1,24 @@
 """The learner's host overhead, measured on the CPU the way a GPU would feel it: per update of PPO, RLOO and online
-DPO on a deep, narrow model (Pythia-1B's 16 GPT-NeoX layers at width 64, where the arithmetic is negligible), the
-loop's time by phase, the share of it not spent inside ATen's ops (torch.profiler), the ops the host dispatches,
-and its device-to-host reads: every `.item()`, `.tolist()`, `.cpu()`, `.numpy()` and tensor truth or number value
-(`bool`, `float`, `int`, an index) taken in the loop's own code (rlhf/, the engine's package aside). On a GPU each
-read waits for every kernel queued before it; each dispatched op costs the host its launch.
+DPO on a deep, narrow model (Pythia-1B's 16 GPT-NeoX layers at width 64, where the arithmetic is negligible):
+
+- syncs_per_update: device-to-host reads in the loop's own code (rlhf/, the engine's package aside): every `.item()`,
+  `.tolist()`, `.cpu()`, `.numpy()` and tensor truth or number value (`bool`, `float`, `int`, an index). On a GPU
+  each one waits for every kernel queued before it. Reads inside the libraries the loop calls are counted apart
+  (`library_syncs_per_update`; most are torch's CPU AdamW reading its step counters, which a GPU's fused AdamW keeps
+  on the device);
+- overhead_share: the share of the loop's wall time not spent inside the models' own work (their forwards, the
+  backward, the optimizer step with its gradient clipping): Python, the loop's own small ops, reads, copies. On a GPU
+  that is host time in which no model kernel is queued;
+- ops_per_update: the ATen ops the host dispatches (torch.profiler; each is at least one kernel launch on a GPU);
+- the phases' seconds (rlhf.trainers.loop's Clock), the engine's generation apart.
 
 Everything outside the engine's `receive` counts (steps 3-9 of rlhf.trainers.loop: post-processing, scoring,
-reference, update, weight sync, log); the HF engine's generation is reported apart (issue 56 item 3). Reads inside
-libraries the loop calls (transformers, accelerate, torch) are counted apart too: `library_syncs_per_update`.
+reference, update, weight sync, log); the HF engine's generation is reported apart (issue 56 item 3).
 
     .venv/bin/python -m rlhf.runtime python bench/host_overhead.py --label after
 
-writes bench/metrics/host_overhead.json (the entry `--label` names, the others kept) and prints a table. The
-profiler's own host cost is in the wall time: shares are comparable between runs of this script, not absolute.
+writes bench/metrics/host_overhead.json (the entry `--label` names, the others kept) and prints a table. One torch
+thread; every trainer in the same process, after the same warm-up.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ DEEP_NARROW = (
 SHAPE = ("train.per_device_train_batch_size=4", "train.num_mini_batches=2", "train.response_length=8")  # 8 x 8
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 OUT = ROOT / "bench" / "metrics" / "host_overhead.json"
+PHASES = [f"timing/{p}" for p in ("generation", "scoring", "reference", "update", "weight_sync", "step")]
 PACKAGE = str(ROOT / "rlhf")
 ENGINE_PACKAGE = str(ROOT / "rlhf" / "generation")
 
@@ -74,6 +81,8 @@ class ReadCounter:
             where = caller.f_code.co_filename
             if self.in_engine:
                 self.counts["engine"] += 1
+            elif caller.f_code.co_name == "host_list":  # refuses device tensors: never a sync
+                self.counts["host"] += 1
             elif where.startswith(PACKAGE) and not where.startswith(ENGINE_PACKAGE):
                 self.counts["loop"] += 1
                 self.sites[f"{Path(where).relative_to(ROOT)}:{caller.f_lineno} {name}"] += 1
@@ -102,8 +111,47 @@ def build_data(work: Path, extra: list[str]) -> Path:
     return data
 
 
-def measure(data: Path, trainer: str, warmup: int, updates: int, extra: list[str]) -> dict:
-    """One trainer's updates, after `warmup` unmeasured ones: phases (s per update), ops, reads, overhead share."""
+class ModelTime:
+    """Seconds inside the models' own work: their forwards (the outermost call: the policy, value model, reference
+    and reward model), the backward and the optimizer step. The rest of the loop's time is its overhead: on a GPU,
+    the host time in which no model kernel is queued. The engine's forwards (while it samples) are not counted."""
+
+    def __init__(self, counter: ReadCounter):
+        self.counter, self.seconds, self.depth, self.start = counter, 0.0, 0, 0.0
+
+    def enter(self, *_) -> None:
+        if self.depth == 0:
+            self.start = time.perf_counter()
+        self.depth += 1
+
+    def exit(self, *_) -> None:
+        self.depth -= 1
+        if self.depth == 0 and not self.counter.in_engine:
+            self.seconds += time.perf_counter() - self.start
+
+    def watch(self, module) -> None:
+        """Time `module`'s forwards, and those of its backbone and head, which scorers call directly."""
+        for part in (module, getattr(module, "base_model", None), getattr(module, "score", None)):
+            if part is not None:
+                part.register_forward_pre_hook(self.enter)
+                part.register_forward_hook(self.exit)
+
+    def wrap(self, owner, name: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            self.enter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.exit()
+
+        setattr(owner, name, timed)
+
+
+def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
+    """One trainer: `warmup` unmeasured updates, `updates` timed ones (phases, model time, reads), then `profiled`
+    ones under torch.profiler (ops dispatched; the profiler's own cost stays out of the timed updates)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -113,16 +161,17 @@ def measure(data: Path, trainer: str, warmup: int, updates: int, extra: list[str
     from rlhf.trainers.checkpoint import LoopState
     from rlhf.trainers.setup import setup
 
-    episodes = 8 * (warmup + updates)
+    episodes = 8 * (args.warmup + args.updates + args.profiled)
     overrides = [f"data_dir={data}", "tracking.wandb_mode=disabled", f"train.trainer={trainer}", *DEEP_NARROW]
     overrides += [*SHAPE, f"train.total_episodes={episodes}", "train.save_every=0", *extra]
     cfg = load_config(ROOT / "params.yaml", "ci", overrides)
     run = setup(cfg)
     counter, state = ReadCounter(), LoopState()
+    model_time = ModelTime(counter)
     tracker = Tracker(cfg, "train", enabled=True, rows=[], run_id=None)
     receive = run.engine.receive
 
-    def timed_receive():
+    def engine_receive():
         counter.in_engine = True
         try:
             with record_function("engine.receive"):
@@ -130,40 +179,62 @@ def measure(data: Path, trainer: str, warmup: int, updates: int, extra: list[str
         finally:
             counter.in_engine = False
 
-    run.engine.receive = timed_receive
+    run.engine.receive = engine_receive
+    for model in (run.model, run.ref, getattr(run.reward_fn, "model", None)):
+        if isinstance(model, torch.nn.Module):
+            model_time.watch(model)
+    model_time.wrap(run.acc, "backward")
+    # gradient clipping is the optimizer's work (DeepSpeed clips inside its step; a GPU does it in a few foreach
+    # kernels), not the loop's: on the CPU torch clips parameter by parameter, ~8 ms a PPO update here
+    model_time.wrap(loop, "_clip_gradients")
+    for name in ("step", "zero_grad"):
+        model_time.wrap(run.optimizer, name)
     phases: Counter = Counter()
+    engine_s = 0.0
 
-    def iteration(t: int) -> None:
-        clock = loop.Clock(run.acc.device)
-        collected = loop.collect(run, t, clock)
-        stats = loop.update(run, collected.groups, t, state)
-        clock.mark("update")
-        loop.sync(run, state, t)
-        clock.mark("weight_sync")
-        start = time.perf_counter()
-        loop.log(run, tracker, state, t, collected, stats, clock)
-        if t >= warmup:
-            phases.update({**clock.seconds, "log": time.perf_counter() - start, "generation": collected.gen.seconds})
-            phases["wait"] -= collected.gen.seconds  # the HF engine samples inside `wait`: the rest is the loop's
+    def iteration(t: int, timed: bool = True) -> None:
+        nonlocal engine_s
+        row = loop.iterate(run, tracker, state, t)
+        if timed:
+            phases.update({k.removeprefix("timing/"): row[k] for k in PHASES})
+            engine_s += row["timing/generation"]
 
     with contextlib.closing(run.engine):
-        for t in range(warmup):
-            iteration(t)
-        with counter.installed(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for t in range(args.warmup):
+            iteration(t, timed=False)
+        model_time.seconds = 0.0
+        timed = range(args.warmup, args.warmup + args.updates)
+        with counter.installed():
             start = time.perf_counter()
-            for t in range(warmup, warmup + updates):
+            for t in timed:
                 iteration(t)
             wall = time.perf_counter() - start
-    return summarise(prof, counter, phases, wall, updates)
+        learner_s, model_s = wall - engine_s, model_time.seconds
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for t in range(timed.stop, timed.stop + args.profiled):
+                iteration(t, timed=False)
+    n = args.updates
+    return {
+        "updates": n,
+        "syncs_per_update": counter.counts["loop"] / n,
+        "library_syncs_per_update": counter.counts["library"] / n,
+        "host_reads_per_update": counter.counts["host"] / n,
+        **dispatched(prof, args.profiled),
+        "overhead_share": round(1 - model_s / learner_s, 4),
+        "learner_s_per_update": round(learner_s / n, 4),
+        "model_s_per_update": round(model_s / n, 4),
+        "phases_s_per_update": {k: round(v / n, 4) for k, v in sorted(phases.items())},
+        "engine_syncs_per_generation": counter.counts["engine"] / n,
+        "sync_sites": dict(sorted(counter.sites.items())),
+        "library_sync_sites": dict(counter.library_sites.most_common(8)),
+    }
 
 
-def summarise(prof, counter: ReadCounter, phases: Counter, wall: float, updates: int) -> dict:
-    """Per update: ops dispatched (ATen calls not made by another ATen op), the ops' own time against the wall time
-    outside the engine (the rest is the host's: Python, modules, dispatch around the ops), reads by caller."""
-    engine_s, own_s, ops, engine_ops = 0.0, 0.0, 0, 0
+def dispatched(prof, updates: int) -> dict:
+    """Ops the host dispatched per update (ATen calls not made by another ATen op: from Python or autograd), outside
+    the engine's `receive` and in it."""
+    ops, engine_ops = 0, 0
     for event in prof.events():
-        if event.name == "engine.receive":
-            engine_s += event.cpu_time_total / 1e6
         if not event.name.startswith("aten::"):
             continue
         parent, in_engine, top = event.cpu_parent, False, True
@@ -171,27 +242,9 @@ def summarise(prof, counter: ReadCounter, phases: Counter, wall: float, updates:
             in_engine |= parent.name == "engine.receive"
             top &= not parent.name.startswith("aten::")
             parent = parent.cpu_parent
-        if in_engine:
-            engine_ops += top
-        else:
-            ops += top
-            own_s += event.self_cpu_time_total / 1e6
-    learner_s = wall - engine_s
-    return {
-        "updates": updates,
-        "syncs_per_update": counter.counts["loop"] / updates,
-        "library_syncs_per_update": counter.counts["library"] / updates,
-        "ops_per_update": round(ops / updates),
-        "overhead_share": round(1 - own_s / learner_s, 4),
-        "learner_s_per_update": round(learner_s / updates, 4),
-        "phases_s_per_update": {k: round(v / updates, 4) for k, v in sorted(phases.items())},
-        "engine": {
-            "syncs_per_generation": counter.counts["engine"] / updates,
-            "ops_per_generation": round(engine_ops / updates),
-        },
-        "sync_sites": dict(sorted(counter.sites.items())),
-        "library_sync_sites": dict(counter.library_sites.most_common(8)),
-    }
+        if top:
+            engine_ops, ops = (engine_ops + 1, ops) if in_engine else (engine_ops, ops + 1)
+    return {"ops_per_update": round(ops / updates), "engine_ops_per_generation": round(engine_ops / updates)}
 
 
 def cpu_flags() -> str:
@@ -212,12 +265,14 @@ def git_commit() -> str:
 
 
 def table(entry: dict) -> str:
-    lines = [f"{'trainer':<11} {'syncs':>6} {'lib':>5} {'ops':>6} {'overhead':>9} {'learner s':>10}  phases (s/update)"]
+    head = f"{'trainer':<11} {'syncs':>6} {'lib':>5} {'ops':>6} {'overhead':>9} {'learner s':>10} {'model s':>8}"
+    lines = [head + "  phases (s/update)"]
     for trainer, r in entry["trainers"].items():
         phases = " ".join(f"{k}={v:.3f}" for k, v in r["phases_s_per_update"].items())
         lines.append(
             f"{trainer:<11} {r['syncs_per_update']:>6.1f} {r['library_syncs_per_update']:>5.1f} "
-            f"{r['ops_per_update']:>6} {r['overhead_share']:>9.3f} {r['learner_s_per_update']:>10.3f}  {phases}"
+            f"{r['ops_per_update']:>6} {r['overhead_share']:>9.3f} {r['learner_s_per_update']:>10.3f} "
+            f"{r['model_s_per_update']:>8.3f}  {phases}"
         )
     return "\n".join(lines)
 
@@ -227,7 +282,8 @@ def main() -> int:
     ap.add_argument("--label", default="after", help="the JSON entry to write (e.g. before, after)")
     ap.add_argument("--trainers", default=",".join(TRAINERS), help="comma-separated, of " + ", ".join(TRAINERS))
     ap.add_argument("--warmup", type=positive_int, default=2, help="unmeasured updates first (default 2)")
-    ap.add_argument("--updates", type=positive_int, default=4, help="measured updates (default 4)")
+    ap.add_argument("--updates", type=positive_int, default=4, help="timed updates (default 4)")
+    ap.add_argument("--profiled", type=positive_int, default=2, help="updates under torch.profiler (default 2)")
     ap.add_argument("--out", default=str(OUT), help="the JSON file (default bench/metrics/host_overhead.json)")
     ap.add_argument("--data", help="a data_dir from an earlier run of this script (skips building it)")
     ap.add_argument("settings", nargs="*", help="extra settings for every stage, e.g. train.mixed_precision=bf16")
@@ -240,7 +296,7 @@ def main() -> int:
     torch.set_num_threads(1)  # one thread: the host's cost per op, not the cores' parallelism
     with tempfile.TemporaryDirectory(prefix="host-overhead-") as work:
         data = Path(args.data) if args.data else build_data(Path(work), args.settings)
-        results = {t: measure(data, t, args.warmup, args.updates, args.settings) for t in trainers}
+        results = {t: measure(data, t, args, args.settings) for t in trainers}
     entry = {
         "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -185,7 +185,7 @@ def test_reward_returning_nan_stops_training_and_keeps_the_last_checkpoint(stopp
 
 
 @pytest.mark.slow
-def test_a_nan_gradient_stops_training_before_the_optimizer_step(ci_data, monkeypatch):
+def test_a_nan_gradient_stops_training_at_its_batch_before_anything_is_saved(ci_data, monkeypatch):
     """Fault injection: a hook turns the embeddings' gradient into NaN while the loss stays finite."""
     from rlhf.trainers import setup
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -345,24 +344,48 @@ def test_memory_cuda_refuses_to_lock_stays_pageable_with_one_line_and_the_copy_i
 # --- what a GPU step costs: the phase timers and the optimizer --------------------------------------------------
 
 
-def test_the_loops_clock_waits_for_the_gpu_before_each_reading(monkeypatch):
-    """Kernels run asynchronously: a phase's time is only its own if the clock waits for the device first. The
-    stand-in for torch.cuda.synchronize (no GPU here) takes 50 ms, as queued kernels would."""
+def test_the_loops_clock_times_phases_on_the_gpus_timeline_and_waits_once(monkeypatch):
+    """Kernels run asynchronously: a phase's time is only its own if it is the device's. Each mark records a CUDA
+    event (no wait: waiting at every mark drained the device's queue five times an iteration); reading the phases
+    waits once, for the last event. StandInEvent takes the place of torch.cuda.Event (no GPU here): its timestamps
+    are the device's, 0.5 s a phase, whatever the host's clock says."""
     from rlhf.trainers.loop import Clock
 
-    waited = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: (waited.append(d), time.sleep(0.05)))
+    waited, recorded = [], []
+
+    class StandInEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = 0.5 * len(recorded)  # the device reaches each event 0.5 s after the one before
+            recorded.append(self)
+
+        def synchronize(self):
+            waited.append(self)
+
+        def elapsed_time(self, end):  # milliseconds, as CUDA's
+            return (end.at - self.at) * 1000
+
+    monkeypatch.setattr(torch.cuda, "Event", StandInEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: waited.append(d))
     clock = Clock(torch.device("cuda", 1))
     clock.mark("scoring")
-    assert waited == [torch.device("cuda", 1)] * 2  # once before the iteration's start, once per mark
-    assert clock.seconds["scoring"] >= 0.05  # the wait is inside the phase it belongs to
+    clock.mark("update")
+    assert waited == [] and len(recorded) == 3  # the start and one event per mark, no wait
+    assert clock.seconds == {"scoring": 0.5, "update": 0.5} and clock.total() == 1.0
+    assert all(w is recorded[-1] for w in waited) and waited  # reading waited for the last event only
 
-    def no_gpu(d=None):
+    def no_gpu(*args, **kwargs):
         raise AssertionError("a CPU run must not touch CUDA")
 
     monkeypatch.setattr(torch.cuda, "synchronize", no_gpu)
+    monkeypatch.setattr(torch.cuda, "Event", no_gpu)
     for device in (torch.device("cpu"), torch.device("meta"), None):
-        Clock(device).mark("x")
+        clock = Clock(device)
+        clock.mark("x")
+        assert set(clock.seconds) == {"x"} and clock.total() >= clock.seconds["x"] >= 0
 
 
 def test_adamw_is_fused_on_a_gpu_and_the_default_on_the_cpu():

@@ -9,7 +9,7 @@ import torch
 
 from rlhf.config import ModelConfig, TrainConfig
 from rlhf.models import tiny
-from rlhf.models.batch import assemble, trim_padding
+from rlhf.models.batch import assemble, bucket, micro_batch_columns, trim_padding
 from rlhf.models.forward import response_logprobs
 from rlhf.trainers.objectives import OBJECTIVES, Rollout, one_step_per_batch
 
@@ -102,10 +102,12 @@ def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradi
     objective = OBJECTIVES[trainer](TrainConfig(trainer=trainer, k=K, kl_coef=0.3, num_ppo_epochs=2))
     groups, _ = objective.prepare(_rollout(policy, ref, short, learner))
     first = {name: t[:1] for name, t in groups.items()}  # prompt 0 alone: 3 of the 5 prompt columns are padding
-    trimmed = trim_padding(first)
+    spans = short.spans(K)  # per prompt: its tokens, its longest response (read on the host)
+    assert spans == [(3, 5), (5, 5), (4, 5)] and all(isinstance(n, int) for pair in spans for n in pair)
+    trimmed = trim_padding(first, 5 - 3, 5)
     assert trimmed["sequences"].shape[-1] == 3 + 5 and trimmed["mask"].shape[-1] == 5
-    for mb in (groups, first):
-        cut = trim_padding(mb)
+    for mb, (prompt, response) in ((groups, (5, 5)), (first, spans[0])):
+        cut = trim_padding(mb, 5 - prompt, response)
         assert cut["sequences"].shape[-1] < mb["sequences"].shape[-1]
         policy.zero_grad()
         full_loss, _ = objective.loss(policy, mb)
@@ -117,3 +119,17 @@ def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradi
         torch.testing.assert_close(cut_loss, full_loss, rtol=1e-5, atol=1e-6)
         for a, b in zip((p.grad for p in policy.parameters()), full_grads):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_micro_batches_take_a_few_bucketed_widths_that_hold_their_longest_rows():
+    """A micro-batch keeps the columns its longest prompt and longest response reach, rounded up to multiples of
+    max(16, width / 4): a run's micro-batches take a few shapes (CUDA graphs, the allocator's reuse), not one each."""
+    assert [bucket(n, 53) for n in (1, 16, 17, 33, 49, 53)] == [16, 16, 32, 48, 53, 53]
+    assert [bucket(n, 600) for n in (1, 150, 151, 599)] == [150, 150, 300, 600]
+    assert {bucket(n, 8) for n in range(1, 9)} == {8}  # a narrow dimension is never cut
+    spans = [(3, 20), (120, 40), (90, 5)]  # per prompt: tokens, longest response
+    assert micro_batch_columns(spans, [0, 2], 600, 53) == (600 - 150, 32)
+    assert micro_batch_columns(spans, [1], 600, 53) == (600 - 150, 48)
+    groups = [[0], [1], [2], [0, 1], [1, 2]]
+    widths = {micro_batch_columns(spans, g, 600, 53) for g in groups}
+    assert len(widths) <= 3 and all(600 - first >= 120 for first, _ in widths)

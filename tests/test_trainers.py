@@ -246,9 +246,12 @@ def test_every_model_that_samples_or_scores_computes_in_the_training_precision(c
     """train.mixed_precision=bf16: the engine's sampling, the reference, the reward model and (PPO) the value model all
     run under bf16 autocast, as the update does. PPO's engine samples with the policy inside the policy-and-value
     wrapper, whose forward accelerate never wrapped: it sampled in float32 (on a GPU, the slowest path)."""
+    from accelerate.state import AcceleratorState
+
     from rlhf.trainers import loop
     from rlhf.trainers.setup import setup
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # this process's earlier runs trained in float32
     run = setup(ci_config(ci_data, f"train.trainer={trainer}", "train.mixed_precision=bf16"))
     seen: dict[str, list[bool]] = {}
     models = {"policy": run.policy, "reference": run.ref, "reward": getattr(run.reward_fn, "model", None)}
@@ -261,6 +264,7 @@ def test_every_model_that_samples_or_scores_computes_in_the_training_precision(c
         loop.collect(run, 0, loop.Clock())
     finally:
         run.engine.close()
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert set(seen) == set(models) - ({"reference"} if run.ref is None else set())
     assert {name: set(dtypes) for name, dtypes in seen.items()} == {name: {torch.bfloat16} for name in seen}
     assert len(seen["policy"]) > 1  # the engine's decode steps and the behaviour forward

@@ -41,15 +41,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of `x` over all positions where `mask` is True (a scalar).
 
-    Source: TRL `masked_var` (Bessel-corrected when `unbiased`, as the original whitens advantages).
-    Shapes: x, mask (N, T) or any equal shapes. Raises ValueError when too few positions are True.
+    Source: TRL `masked_var` (Bessel-corrected when `unbiased`, as the original whitens advantages), without its
+    check of the count: reading it would make the host wait for the device. Too few positions (one when unbiased,
+    none) give a variance of 0, so whitening them gives 0, not NaN.
+    Shapes: x, mask (N, T) or any equal shapes.
     """
-    count = int(mask.sum())
-    needed = 2 if unbiased else 1
-    if count < needed:
-        raise ValueError(f"masked_var needs at least {needed} True mask positions (unbiased={unbiased}), got {count}")
+    count = mask.sum()
     centred = x - masked_mean(x, mask)
-    return masked_sum(centred**2, mask) / (count - 1 if unbiased else count)
+    return masked_sum(centred**2, mask) / (count - 1 if unbiased else count).clamp(min=1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
@@ -113,16 +112,15 @@ def _check_temperature(temperature: float) -> None:
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / temperature) gathered at `tokens`: the tempered policy's log-prob per token.
 
-    Source: original §2.2 step 6 (without its `+1e-7`); memory layout after TRL `selective_log_softmax`:
-    log p(y) = z_y - logsumexp(z), computed one sequence at a time so the tempered copy of the logits and
-    the softmax never exist for the whole batch. Low-precision logits are upcast to float32 per row.
+    Source: original §2.2 step 6 (without its `+1e-7`); TRL `selective_log_softmax`: log p(y) = z_y - logsumexp(z),
+    so the softmax itself never exists. One logsumexp over the whole batch (a per-row loop launched 2 ops a row, and
+    their backward, for no saving: callers already hold the float32 logits). Low-precision logits are upcast.
     Shapes: logits (N, T, V), tokens (N, T) long -> (N, T) float (float32 or wider).
     """
     _check_temperature(temperature)
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    token_logits = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(dtype) / temperature
-    log_normaliser = torch.stack([torch.logsumexp(row.to(dtype) / temperature, dim=-1) for row in logits])
-    return token_logits - log_normaliser
+    logits = logits.to(dtype) if temperature == 1 else logits.to(dtype) / temperature
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -25,10 +25,9 @@ def token_rewards(
     """
     non_score_reward = -kl_coef * torch.where(mask, kl, 0.0)
     # Last True position = T-1 minus the first True of the reversed row (masks are prefixes, but this holds anyway).
+    # Every row has one (truncate_after_eos keeps the first token); not checked here: a read of the device.
     row_len = mask.size(1)
     last_real = row_len - 1 - first_true_indices(mask.flip(1))
-    if bool((last_real < 0).any()):
-        raise ValueError("token_rewards: every row of mask needs at least one real token")
     at_last = torch.arange(row_len, device=mask.device)[None, :] == last_real[:, None]
     rewards = non_score_reward + torch.where(at_last, scores[:, None].to(non_score_reward.dtype), 0.0)
     return rewards, non_score_reward

@@ -7,6 +7,7 @@ from pad ids (pad may equal EOS, as in SmolLM2 and Pythia).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -52,9 +53,19 @@ class ModelInput:
         return ModelInput(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
     def texts(self, tokenizer) -> list[str]:
-        """The responses as text, special tokens dropped."""
+        """The responses as text, special tokens dropped (decode a host batch: on a device this reads it back)."""
         responses = self.sequences[:, self.context :].masked_fill(~self.response_mask, tokenizer.pad_token_id)
-        return tokenizer.batch_decode(responses.cpu(), skip_special_tokens=True)
+        return tokenizer.batch_decode(
+            responses if responses.device.type == "cpu" else responses.cpu(), skip_special_tokens=True
+        )
+
+    def spans(self, k: int) -> list[tuple[int, int]]:
+        """Per prompt (B): its prompt's tokens and its K responses' longest, as Python ints; of a host batch (the
+        loop's assembled one), so reading them stops no device. Micro-batches take their shapes from them
+        (`micro_batch_columns`) without reading the device."""
+        prompt = self.attn[::k, : self.context].sum(1)
+        longest = self.response_mask.sum(1).view(-1, k).amax(1)
+        return [tuple(pair) for pair in host_list(torch.stack([prompt, longest], 1))]
 
     def response_ids(self) -> list[list[int]]:
         """Each response's real tokens (EOS included when there is one)."""
@@ -82,23 +93,45 @@ def attention_and_positions(
     return attn, positions
 
 
-def trim_padding(mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A micro-batch without the columns that are padding in every row: the prompt's leading columns no row's
-    prompt reaches and the response's trailing columns after every row's last real token. The forward computes the
-    same numbers for the real tokens (causal attention, explicit positions, masked losses), on fewer tokens: a
-    micro-batch of short answers no longer pays for the longest answer of the whole batch, or for max_new_tokens.
+MIN_BUCKET = 16  # columns: below this, a shorter shape saves less than a new shape costs (a graph, an allocation)
+BUCKETS = 4  # shapes per dimension at most: a micro-batch's prompt and response widths each round up to 1/4 steps
+
+
+def bucket(columns: int, width: int) -> int:
+    """`columns` rounded up to the next of a few fixed widths of a dimension `width` wide: multiples of
+    max(MIN_BUCKET, width / BUCKETS), capped at `width`. E.g. width 53: 16, 32, 48, 53; width 600: 150 ... 600."""
+    step = max(MIN_BUCKET, math.ceil(width / BUCKETS))
+    return min(width, math.ceil(columns / step) * step)
+
+
+def micro_batch_columns(spans: list[tuple[int, int]], prompts: list[int], context: int, T: int) -> tuple[int, int]:
+    """(first column, response columns) a micro-batch of `prompts` (indices into `spans`, ModelInput.spans) keeps:
+    the prompt columns its longest prompt reaches and the response columns its longest response reaches, each
+    rounded up to a bucket (`bucket`), so a run's micro-batches take a few shapes instead of one per micro-batch."""
+    prompt = max(spans[i][0] for i in prompts)
+    response = max(spans[i][1] for i in prompts)
+    return context - bucket(prompt, context), bucket(max(response, 1), T)
+
+
+def host_list(t: torch.Tensor) -> list:
+    """A host tensor's values as Python numbers: the loop's bookkeeping, kept on the CPU (prompt and micro-batch
+    order, lengths). Refuses a device tensor: reading one would make the host wait for the device's queue."""
+    if t.device.type != "cpu":
+        raise ValueError(f"host_list: a tensor on {t.device}; the loop reads device tensors once per batch only")
+    return t.tolist()
+
+
+def trim_padding(mb: dict[str, torch.Tensor], first: int, t: int) -> dict[str, torch.Tensor]:
+    """A micro-batch without the columns that are padding in every row: the prompt's columns before `first` and the
+    response's columns from `t` on (`micro_batch_columns` finds them on the host). The forward computes the same
+    numbers for the real tokens (causal attention, explicit positions, masked losses), on fewer tokens: a micro-batch
+    of short answers no longer pays for the longest answer of the whole batch, or for max_new_tokens.
 
     mb: the loop's per-prompt tensors (rlhf.trainers.objectives), "sequences", "attn", "positions" (P, K, C+T) and
     "mask" (P, K, T) bool; every other 3-dim tensor whose last dim is T is per response token and is cut alike;
     tensors of other shapes pass unchanged."""
-    attn, mask = mb["attn"], mb["mask"]
-    T = mask.shape[-1]
-    C = attn.shape[-1] - T
-    # Left padding: every prompt ends in column C-1, so the first column some prompt reaches is at most C-1; argmax
-    # finds the first True. min(): where the values cannot be read (tests' meta device), a valid cut anyway.
-    first = min(int(attn[..., :C].flatten(0, -2).any(0).long().argmax()), C - 1)
-    # the response's last column some row reaches: the first True counted from the end
-    t = T - min(int(mask.flatten(0, -2).any(0).flip(0).long().argmax()), T - 1)
+    T = mb["mask"].shape[-1]
+    C = mb["attn"].shape[-1] - T
     out = {}
     for name, x in mb.items():
         if name in ("sequences", "attn", "positions"):

@@ -70,9 +70,10 @@ def response_logprobs_and_values(
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of a PolicyAndValueWrapper: log-probs (n, T) of the response tokens and the value of the
-    state before each of them (n, T)."""
-    logits, values = wrapper(input_ids=sequences, attention_mask=attn, position_ids=positions)
-    logp = logprobs_from_logits(logits[:, context - 1 : -1].float(), sequences[:, context:], temperature)
+    state before each of them (n, T). The LM head sees the last T+1 positions only (as in `response_logprobs`)."""
+    keep = sequences.shape[1] - context + 1
+    logits, values = wrapper(input_ids=sequences, attention_mask=attn, position_ids=positions, logits_to_keep=keep)
+    logp = logprobs_from_logits(logits[:, -keep:-1].float(), sequences[:, context:], temperature)
     return logp, values[:, context - 1 : -1]
 
 
@@ -134,11 +135,16 @@ class PolicyAndValueWrapper(nn.Module):
         self.policy = policy
         self.value_model = value_model
 
-    def forward(self, input_ids, attention_mask, position_ids):
-        """-> (policy logits (n, L, V), values (n, L)); a plain tuple, which DeepSpeed's hooks walk safely."""
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int = 0):
+        """-> (policy logits (n, L', V) of the last `logits_to_keep` positions (0: all L), values (n, L)); a plain
+        tuple, which DeepSpeed's hooks walk safely."""
         values = scalar_head(self.value_model, input_ids, attention_mask, position_ids)
         out = self.policy(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=logits_to_keep,
         )
         return out.logits, values
 

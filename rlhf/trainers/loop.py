@@ -4,9 +4,13 @@ One iteration (numbered as in shared/design/architecture.md), each step group on
   1. next prompt batch  2. completions from the engine  3. truncate at EOS  4. score (+ missing-EOS penalty)
   5. behaviour/reference log-probs (+ values)  6. the objective's view of the batch      -> collect
   7. M mini-batches x E epochs of updates                                               -> update
-  8. weight sync to the engine (versioned)                                              -> sync
-  9. metrics, checkpoint                                                                -> log, save
+  8. the batch's metrics and checks, read from the device once                          -> read_batch
+  9. weight sync to the engine (versioned)                                              -> sync
+ 10. metrics logged, checkpoint                                                         -> log, save
 Setup (models, optimizer, engine, prompts) is rlhf.trainers.setup; checkpoint files rlhf.trainers.checkpoint.
+
+Nothing between steps 3 and 8 reads a tensor back from the device: on a GPU the host queues the whole batch's
+work ahead of the device (rlhf.trainers.readback). Bookkeeping (prompt order, micro-batch shapes) stays on the host.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from rlhf.config import Config, config_yaml
 from rlhf.generation.base import Generated
 from rlhf.generation.weights import full_weights
 from rlhf.io import after_publishing, atomic_dir, read_json, write_text
-from rlhf.models.batch import ModelInput, assemble, trim_padding
+from rlhf.models.batch import ModelInput, assemble, host_list, micro_batch_columns, trim_padding
 from rlhf.models.forward import reference_logprobs, response_logprobs, response_logprobs_and_values
 from rlhf.models.loading import save_policy
 from rlhf.runtime import crash_point, seconds_since_start
@@ -33,8 +37,9 @@ from rlhf.tracking import Tracker
 from rlhf.trainers import checkpoint, frontier
 from rlhf.trainers.early import EarlyStart
 from rlhf.trainers.objectives import Rollout
+from rlhf.trainers.readback import LOSS, Readback, read_batch
 from rlhf.trainers.setup import Run, setup
-from rlhf.trainers.summary import final_metrics, mean_stats, start_up_hint
+from rlhf.trainers.summary import final_metrics, start_up_hint
 
 ROWS_FILE = "metric_rows.json"  # in each checkpoint: the rows logged so far, so a resume keeps the run's history
 CONFIG_FILE = "config.yaml"  # the resolved configuration, next to the trained policy and in every checkpoint
@@ -57,18 +62,7 @@ def train(cfg: Config, started: EarlyStart | None = None) -> dict:
             disable=not run.acc.is_main_process,
         )
         for t in bar:
-            clock = Clock(run.acc.device)
-            # 1-6. prompts, completions, post-processing, scores, reference log-probs, the objective's view
-            collected = collect(run, t, clock)
-            # 7. M mini-batches x E epochs of updates
-            step_stats = update(run, collected.groups, t, state)
-            clock.mark("update")
-            crash_point("after_update", t)
-            # 8. the engine samples from the new weights from now on
-            sync(run, state, t)
-            clock.mark("weight_sync")
-            # 9. metrics, a checkpoint on schedule, the policy at the frontier's points
-            row = log(run, tracker, state, t, collected, step_stats, clock)
+            row = iterate(run, tracker, state, t)
             bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.2f}")
             if cfg.train.save_every and state.batch % cfg.train.save_every == 0 and state.batch < num_batches:
                 save(run, tracker, state)
@@ -85,27 +79,64 @@ def train(cfg: Config, started: EarlyStart | None = None) -> dict:
     return final
 
 
+def iterate(run: Run, tracker: Tracker, state: checkpoint.LoopState, t: int) -> dict:
+    """Steps 1-10 for generated batch t (checkpoints and the frontier aside): its logged row."""
+    clock = Clock(run.acc.device)
+    # 1-6. prompts, completions, post-processing, scores, reference log-probs, the objective's view
+    collected = collect(run, t, clock)
+    # 7. M mini-batches x E epochs of updates
+    step_stats = update(run, collected, t, state)
+    clock.mark("update")
+    crash_point("after_update", t)
+    # 8. the batch's one read: its metrics; a run whose numbers went bad stops here
+    readback = read_batch(run, t, collected, step_stats)
+    # 9. the engine samples from the new weights from now on
+    sync(run, state, t)
+    clock.mark("weight_sync")
+    # 10. metrics (a checkpoint on schedule, the policy at the frontier's points: the caller's)
+    return log(run, tracker, state, t, collected, readback, clock)
+
+
 class Clock:
     """Seconds between marks within one iteration: mark("x") records the time since the previous mark as x.
 
-    On a GPU each mark first waits for the device's queued work: kernels run asynchronously, so without it a phase's
-    GPU time lands in whichever later phase next reads a result back (a few synchronisations per iteration, each
-    after work the next phase needs anyway)."""
+    On a GPU kernels run asynchronously: the host's clock would put a phase's GPU time in whichever later phase next
+    waits for the device. Each mark there records a CUDA event in the stream instead, and a phase's seconds are the
+    device's between two events, read once (`seconds`, at log time, after the batch's one read): waiting for the
+    device at every mark would drain its queue five times an iteration."""
 
     def __init__(self, device: torch.device | None = None):
-        cuda = device is not None and device.type == "cuda"
-        self._wait = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
-        self._wait()
+        self._cuda = device is not None and device.type == "cuda"
+        self._events: list[tuple[str, torch.cuda.Event]] = []
+        self._first = self._record() if self._cuda else None
         self.start = self.last = time.perf_counter()
-        self.seconds: dict[str, float] = {}
+        self._host: dict[str, float] = {}
+
+    @staticmethod
+    def _record() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def mark(self, name: str) -> None:
-        self._wait()
         now = time.perf_counter()
-        self.seconds[name], self.last = now - self.last, now
+        self._host[name], self.last = now - self.last, now
+        if self._cuda:
+            self._events.append((name, self._record()))
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Each phase's seconds: the host's on the CPU, the device's on a GPU (waits for the last mark's event)."""
+        if not self._cuda or not self._events:
+            return self._host
+        self._events[-1][1].synchronize()
+        out, previous = {}, self._first
+        for name, event in self._events:
+            out[name], previous = previous.elapsed_time(event) / 1000, event
+        return out
 
     def total(self) -> float:
-        return self.last - self.start
+        return sum(self.seconds.values()) if self._cuda else self.last - self.start
 
 
 @dataclass
@@ -113,11 +144,13 @@ class Collected:
     """Generated batch t after steps 1-6."""
 
     gen: Generated  # what the engine returned: responses, the weight version, its timing and log-probs
-    inputs: ModelInput  # prompts + responses cut after their first EOS (B*K rows, prompt-major)
-    texts: list[str]  # the responses, decoded
+    host: ModelInput  # prompts + responses cut after their first EOS (B*K rows, prompt-major), on the host
+    inputs: ModelInput  # the same on the learner's device
+    spans: list[tuple[int, int]]  # per prompt: its tokens and its longest response's (ModelInput.spans)
+    texts: list[str]  # the responses, decoded where a reward or the gold reads text (else empty)
     rollout: Rollout  # the scored batch the objective saw, on the learner's device
     groups: dict[str, torch.Tensor]  # the objective's per-prompt tensors (B, K, ...): micro-batches index them
-    stats: dict[str, float]  # the objective's metrics of the batch
+    stats: dict[str, torch.Tensor]  # the objective's metrics of the batch, on the device
 
 
 def start(run: Run) -> tuple[checkpoint.LoopState, list[dict]]:
@@ -159,11 +192,13 @@ def collect(run: Run, t: int, clock: Clock) -> Collected:
         raise RuntimeError(
             f"batch {t}: the engine returned completions of other prompts than rank {run.acc.process_index}'s"
         )
-    # 3. post-process: keep tokens up to the first EOS; the batch moves to the training device once, here
-    inputs = assemble(prompts, gen.responses, c.k, tok.pad_token_id, tok.eos_token_id).to(run.acc.device)
-    texts = inputs.texts(tok)
+    # 3. post-process on the host, where every engine returns its tokens: keep tokens up to the first EOS; the batch
+    # moves to the training device once, here
+    host = assemble(prompts, gen.responses, c.k, tok.pad_token_id, tok.eos_token_id)
+    inputs = host.to(run.acc.device)
+    texts = host.texts(tok) if _reads_text(run, gen) else []
     # 4. score (the async engine may have scored the batch already, overlapped with training)
-    scores = _scores(run, t, gen, inputs, texts)
+    scores = _scores(run, gen, host, inputs, texts)
     clock.mark("scoring")
     # 5. reference log-probs; behaviour log-probs (+ values) from the same forward as training
     logp, ref_logp, values = _logprobs(run, inputs, gen)
@@ -183,29 +218,29 @@ def collect(run: Run, t: int, clock: Clock) -> Collected:
     )
     groups, stats = run.objective.prepare(rollout)
     clock.mark("reference")
-    return Collected(gen, inputs, texts, rollout, groups, stats)
+    return Collected(gen, host, inputs, host.spans(c.k), texts, rollout, groups, stats)
 
 
-def _scores(run: Run, t: int, gen: Generated, inputs: ModelInput, texts: list[str]) -> torch.Tensor:
-    """Step 4: one reward per sample (N,) on the learner's device, after the missing-EOS penalty."""
-    c, device = run.cfg.train, run.acc.device
-    scores = (gen.scores if gen.scores is not None else run.reward_fn(inputs, texts)).to(device)
+def _reads_text(run: Run, gen: Generated) -> bool:
+    """Whether anything reads this batch's responses as text: a reward that does (the proxy RM reads tokens), or the
+    gold (step 8)."""
+    reward_reads = gen.scores is None and run.reward_fn is not None and run.reward_fn.needs_texts
+    return reward_reads or run.gold is not None
+
+
+def _scores(run: Run, gen: Generated, host: ModelInput, inputs: ModelInput, texts: list[str]) -> torch.Tensor:
+    """Step 4: one reward per sample (N,) on the learner's device, after the missing-EOS penalty. A reward that
+    reads text (the gold judge, the verifier) computes on the host, from the host batch; the proxy RM on the
+    device. Whether they are finite is checked with the batch's metrics (rlhf.trainers.readback)."""
+    c, reward = run.cfg.train, run.reward_fn
+    if gen.scores is not None:
+        scores = gen.scores
+    else:
+        scores = reward(host, texts) if reward.needs_texts else reward(inputs, texts)
+    scores = scores.to(run.acc.device)
     if c.non_eos_penalty:
         scores = apply_missing_eos_penalty(scores, inputs.has_eos, c.penalty_reward_value)
-    if not torch.isfinite(scores).all():  # a NaN score would silently poison every later update
-        bad = int((~torch.isfinite(scores)).sum())
-        raise _stopped(run, t, f"the reward ({c.reward}) returned NaN/inf for {bad} of {len(scores)} samples")
     return scores
-
-
-def _stopped(run: Run, t: int, what: str) -> RuntimeError:
-    """The error that stops a run whose numbers went bad at batch t, saying what a re-run resumes from."""
-    c, last = run.cfg.train, checkpoint.latest(run.ckpt_dir)[0]
-    if last is not None:
-        where = f"the last good checkpoint, {last}, is intact: fix the cause and run the stage again to resume from it"
-    else:
-        where = "no checkpoint was saved yet" + (" (train.save_every=0)" if not c.save_every else "")
-    return RuntimeError(f"{what} at batch {t} (trainer {c.trainer}); {where}")
 
 
 @torch.no_grad()
@@ -248,41 +283,40 @@ def _importance_weights(run: Run, logp: torch.Tensor, gen: Generated, inputs: Mo
     return (logp - engine_logp).sum(1).exp().clamp(max=run.cfg.train.tis_cap)
 
 
-def update(run: Run, groups: dict[str, torch.Tensor], t: int, state: checkpoint.LoopState) -> list[dict]:
+def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> list[dict[str, torch.Tensor]]:
     """Step 7: E epochs of M mini-batches over this rank's prompts, each G micro-batches of P prompts, each without
-    the columns that are padding in all its rows (batch.trim_padding)."""
-    c = run.cfg.train
+    the columns that are padding in all its rows (batch.trim_padding), rounded up to a few widths
+    (batch.micro_batch_columns: a shape per micro-batch would defeat CUDA graphs and the allocator's reuse)."""
+    c, groups = run.cfg.train, col.groups
     P, G = c.per_device_train_batch_size, c.gradient_accumulation_steps
+    context, T = col.inputs.context, col.inputs.response_mask.shape[1]
     run.model.train()
     stats = []
     for _ in range(c.num_ppo_epochs):
-        order = torch.randperm(run.sizes.local_batch, generator=run.shuffle)
+        order = host_list(torch.randperm(run.sizes.local_batch, generator=run.shuffle))
         for m in range(c.num_mini_batches):
             for g in range(G):
                 idx = order[(m * G + g) * P : (m * G + g + 1) * P]
-                stats.append(_micro_step(run, trim_padding({k: v[idx] for k, v in groups.items()}), t))
+                first, width = micro_batch_columns(col.spans, idx, context, T)
+                mb = trim_padding({k: v[idx] for k, v in groups.items()}, first, width)
+                stats.append(_micro_step(run, mb))
             state.global_step += 1
     return stats
 
 
-def _micro_step(run: Run, mb: dict[str, torch.Tensor], t: int) -> dict[str, float]:
-    """Forward + backward of one micro-batch; the optimizer steps on the last of G (accelerate counts them)."""
+def _micro_step(run: Run, mb: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Forward + backward of one micro-batch; the optimizer steps on the last of G (accelerate counts them). Reads
+    nothing back: its metrics and loss stay on the device (rlhf.trainers.readback checks them)."""
     c, acc = run.cfg.train, run.acc
     with acc.accumulate(run.model):
         loss, stats = run.objective.loss(run.model, mb)
-        if not torch.isfinite(loss):
-            raise _stopped(run, t, f"loss became {loss.item()}")
         acc.backward(loss)
-        if acc.sync_gradients:
-            norm = _clip_gradients(run, c.max_grad_norm)
-            if norm is not None and not torch.isfinite(norm):  # a finite loss can still overflow in its backward
-                raise _stopped(run, t, f"the gradient norm became {norm.item()}")
-            if norm is not None:
-                stats["policy/grad_norm"] = norm.item()
+        if acc.sync_gradients and (norm := _clip_gradients(run, c.max_grad_norm)) is not None:
+            stats["policy/grad_norm"] = norm
         run.optimizer.step()
         run.scheduler.step()
         run.optimizer.zero_grad()
-    return stats
+    return {**stats, LOSS: loss.detach()}
 
 
 def _clip_gradients(run: Run, max_norm: float) -> torch.Tensor | None:
@@ -291,7 +325,7 @@ def _clip_gradients(run: Run, max_norm: float) -> torch.Tensor | None:
     norm = run.acc.clip_grad_norm_(run.model.parameters(), max_norm)
     if norm is None and run.acc.state.deepspeed_plugin is not None:
         norm = run.model.get_global_grad_norm()
-    return None if norm is None else torch.as_tensor(norm, dtype=torch.float32)
+    return None if norm is None else torch.as_tensor(norm, dtype=torch.float32, device=run.acc.device)
 
 
 def sync(run: Run, state: checkpoint.LoopState, t: int) -> None:
@@ -300,43 +334,19 @@ def sync(run: Run, state: checkpoint.LoopState, t: int) -> None:
     run.engine.load_weights(run.policy, state.batch)
 
 
-def log(run: Run, tracker: Tracker, state, t: int, col: Collected, step_stats: list[dict], clock: Clock) -> dict:
-    """Step 9: the batch's metrics, averaged over ranks, as one row (W&B, train.csv); a few completions to W&B."""
-    c, r = run.cfg.train, col.rollout
-    stats = {**col.stats, **mean_stats(step_stats)}
-    stats.update(
-        {
-            "objective/scores": r.scores.mean().item(),
-            "objective/entropy": (-r.logp).sum(1).mean().item(),
-            "completions/mean_length": r.response_mask.sum(1).float().mean().item(),
-            "completions/eos_rate": col.inputs.has_eos.float().mean().item(),
-            "async/staleness": float(t - col.gen.version),
-            "async/weight_version": float(col.gen.version),
-            "lr": run.scheduler.get_last_lr()[0],
-        }
-    )
-    if r.is_weight is not None:
-        stats["policy/is_weight"] = r.is_weight.mean().item()
-    gold = run.gold(col.inputs, col.texts) if run.gold is not None else None
-    if gold is not None:
-        stats["objective/gold"] = float(gold.mean())
-    row = _reduce_mean(run, stats)
+def log(run: Run, tracker: Tracker, state, t: int, col: Collected, back: Readback, clock: Clock) -> dict:
+    """Step 10: the batch's row (its metrics, averaged over ranks, read in step 8, and its timings) to W&B and
+    train.csv; a few completions to W&B."""
+    version = col.gen.version
+    host = {"async/staleness": float(t - version), "async/weight_version": float(version)}
+    row = dict(sorted({**back.row, **host, "lr": run.scheduler.get_last_lr()[0]}.items()))
     row.update(_timings(run, state, col.gen, clock))
     if t % run.cfg.tracking.log_every == 0 or t == run.sizes.num_batches - 1:
         tracker.log(row)
-        prompts = run.tokenizer.batch_decode(col.inputs.prompt_ids, skip_special_tokens=True)
-        gold_list = None if gold is None else gold.tolist()
-        tracker.completions(
-            state.episode, [p for p in prompts for _ in range(c.k)], col.texts, r.scores.tolist(), gold_list
-        )
+        tok, k = run.tokenizer, run.cfg.train.k
+        prompts = [p for p in tok.batch_decode(col.host.prompt_ids, skip_special_tokens=True) for _ in range(k)]
+        tracker.completions(state.episode, prompts, col.texts or col.host.texts(tok), back.scores, back.gold)
     return row
-
-
-def _reduce_mean(run: Run, stats: dict[str, float]) -> dict[str, float]:
-    """The mean of each metric over the training processes, reduced in sorted key order (every rank agrees)."""
-    keys = sorted(stats)
-    values = torch.tensor([stats[k] for k in keys], device=run.acc.device)
-    return dict(zip(keys, run.acc.reduce(values, reduction="mean").tolist()))
 
 
 def _timings(run: Run, state, gen: Generated, clock: Clock) -> dict[str, float]:

@@ -4,6 +4,8 @@ Every objective has the same two calls, so the loop never branches on an algorit
   prepare(rollout) -> (groups, metrics)   once per generated batch, no grad; `groups` tensors have a
                                           leading dim B (prompts) so micro-batches are sets of prompts
   loss(model, mb)  -> (loss, metrics)     once per micro-batch, with grad
+Metrics are detached 0-dim tensors, left on the device: the loop reads a batch's metrics once (a read inside a
+micro-step would make the host wait for the device's queue).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from rlhf.algorithms import bok, dpo, grpo, ppo, rloo
 from rlhf.algorithms.common import kl_penalty, masked_mean, masked_whiten
 from rlhf.config import TrainConfig
 from rlhf.models.forward import response_logprobs, response_logprobs_and_values
+
+Metrics = dict[str, torch.Tensor]  # detached 0-dim tensors, on the device
 
 
 @dataclass
@@ -53,34 +57,35 @@ class Objective(Protocol):
     needs_values: bool  # PPO: the model is a policy + value wrapper and the rollout carries values
     needs_behaviour_logprobs: bool  # the loss uses them (ratios); else they are only reported
 
-    def prepare(self, rollout: Rollout) -> tuple[dict[str, torch.Tensor], dict[str, float]]: ...
+    def prepare(self, rollout: Rollout) -> tuple[dict[str, torch.Tensor], Metrics]: ...
 
-    def loss(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]: ...
+    def loss(self, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Metrics]: ...
 
 
-def _named(prefix: str, stats: dict) -> dict[str, float]:
-    """Algorithm stats (detached 0-dim tensors) -> `prefix/name` floats."""
-    return {f"{prefix}/{k}": float(v) for k, v in stats.items()}
+def _named(prefix: str, stats: dict) -> dict[str, torch.Tensor]:
+    """Algorithm stats (0-dim tensors) -> `prefix/name`, detached: still on the device (the loop reads a batch's
+    metrics once, rlhf.trainers.readback)."""
+    return {f"{prefix}/{k}": v.detach() for k, v in stats.items()}
 
 
 def _flat(mb: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
     return [mb[n].flatten(0, 1) for n in names]
 
 
-def _kl_and_stats(r: Rollout, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def _kl_and_stats(r: Rollout, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token KL to the reference (N, T), 0 on padding, and the sequence-level objective/* stats."""
     return _kl(r.logp, r.ref_logp, r.response_mask, r.scores, cfg)
 
 
-def _kl(logp, ref_logp, mask, scores, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def _kl(logp, ref_logp, mask, scores, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """_kl_and_stats of tensors: logp, ref_logp (N, T), mask (N, T) bool, scores (N,)."""
     kl = kl_penalty(logp, ref_logp, cfg.kl_estimator) * mask
     seq_kl = kl.sum(1)
     non_score = -cfg.kl_coef * seq_kl
     stats = {
-        "objective/kl": seq_kl.mean().item(),
-        "objective/non_score_reward": non_score.mean().item(),
-        "objective/rlhf_reward": (scores + non_score).mean().item(),
+        "objective/kl": seq_kl.mean(),
+        "objective/non_score_reward": non_score.mean(),
+        "objective/rlhf_reward": (scores + non_score).mean(),
     }
     return kl, stats
 
@@ -124,10 +129,10 @@ class PPO:
         stats = _named("policy", pg_stats)
         stats.update(
             {
-                "loss/policy": pg_loss.item(),
-                "loss/value": vf_loss.item(),
-                "val/clipfrac": float(vf_stats["clipfrac"]),
-                "val/explained_variance": explained.item(),
+                "loss/policy": pg_loss.detach(),
+                "loss/value": vf_loss.detach(),
+                "val/clipfrac": vf_stats["clipfrac"],
+                "val/explained_variance": explained.detach(),
             }
         )
         return pg_loss + self.cfg.vf_coef * vf_loss, stats
@@ -167,7 +172,7 @@ class RLOO:
             adv = rloo.rloo_advantages(scores - self.cfg.kl_coef * kl.sum(1), mb["mask"].shape[1])
             old_sum = logp_sum.detach()
         loss, stats = rloo.sequence_policy_loss(logp_sum, old_sum, adv, self.cfg.cliprange)
-        return loss, {**_named("policy", stats), "loss/policy": loss.item(), **objective}
+        return loss, {**_named("policy", stats), "loss/policy": loss.detach(), **objective}
 
 
 @dataclass
@@ -201,7 +206,7 @@ class GRPO:
             old_logp = logp.detach()
             _, objective = _kl(old_logp, ref_logp, mask, *_flat(mb, "scores"), self.cfg)
         loss, stats = grpo.grpo_loss(logp, old_logp, ref_logp, adv, mask, self.cfg.cliprange, self.cfg.kl_coef)
-        return loss, {**_named("policy", stats), "loss/policy": loss.item(), **objective}
+        return loss, {**_named("policy", stats), "loss/policy": loss.detach(), **objective}
 
 
 def _select(mb: dict[str, torch.Tensor], name: str, index: torch.Tensor) -> torch.Tensor:
@@ -225,8 +230,8 @@ class OnlineDPO:
         # global row index -> index within its group of K
         groups = r.grouped(ref_sum=ref_sum)
         groups.update(chosen=chosen % r.k, rejected=rejected % r.k, valid=valid)
-        stats["objective/scores_margin"] = (r.scores[chosen] - r.scores[rejected]).mean().item()
-        stats["objective/valid_pairs"] = valid.float().mean().item()
+        stats["objective/scores_margin"] = (r.scores[chosen] - r.scores[rejected]).mean()
+        stats["objective/valid_pairs"] = valid.float().mean()
         return groups, stats
 
     def loss(self, model, mb):
@@ -239,18 +244,14 @@ class OnlineDPO:
         n = len(mb["valid"])
         loss, stats = dpo.dpo_loss(sums[:n], sums[n:], ref[:n], ref[n:], mb["valid"], self.cfg.beta, self.cfg.loss_type)
         out = {
-            "rewards/chosen": float(stats["chosen_reward"]),
-            "rewards/rejected": float(stats["rejected_reward"]),
-            "rewards/accuracies": float(stats["accuracy"]),
-            "rewards/margins": float(stats["margin"]),
+            "rewards/chosen": stats["chosen_reward"],
+            "rewards/rejected": stats["rejected_reward"],
+            "rewards/accuracies": stats["accuracy"],
+            "rewards/margins": stats["margin"],
+            "logps/chosen": sums[:n].mean().detach(),
+            "logps/rejected": sums[n:].mean().detach(),
+            "loss/policy": loss.detach(),
         }
-        out.update(
-            {
-                "logps/chosen": sums[:n].mean().item(),
-                "logps/rejected": sums[n:].mean().item(),
-                "loss/policy": loss.item(),
-            }
-        )
         return loss, out
 
 
@@ -267,15 +268,15 @@ class BestOfK:
         best, valid = bok.select_best(r.scores, r.k)
         groups = r.grouped()
         groups.update(best=best % r.k, valid=valid)
-        stats["objective/valid_pairs"] = valid.float().mean().item()
+        stats["objective/valid_pairs"] = valid.float().mean()
         return groups, stats
 
     def loss(self, model, mb):
         seq, attn, pos, mask = (_select(mb, n, mb["best"]) for n in ("sequences", "attn", "positions", "mask"))
         logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
         loss, stats = bok.nll_loss(logp, mask, mb["valid"])
-        chosen = (logp * mask).sum(1).mean().item()
-        return loss, {"logps/chosen": chosen, "loss/policy": loss.item(), "loss/nll_per_token": float(stats["nll"])}
+        chosen = (logp * mask).sum(1).mean().detach()
+        return loss, {"logps/chosen": chosen, "loss/policy": loss.detach(), "loss/nll_per_token": stats["nll"]}
 
 
 OBJECTIVES = {"ppo": PPO, "rloo": RLOO, "grpo": GRPO, "online_dpo": OnlineDPO, "bok": BestOfK}

@@ -26,6 +26,7 @@ from rlhf.generation.factory import make_engine, token_ids
 from rlhf.generation.hf import HFEngine
 from rlhf.generation.learner_first import LearnerFirst
 from rlhf.generation.shared import SharedEngine
+from rlhf.models.batch import host_list
 from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
 from rlhf.models.loading import encode_prompts, load_tokenizer
 from rlhf.models.lora import AdaptersOff, add_adapters
@@ -335,12 +336,13 @@ def load_rl_prompts(cfg: Config, tokenizer) -> list[list[int]]:
 
 def batch_prompts(prompts: list[list[int]], t: int, sizes: Sizes, rank: int, seed: int) -> list[list[int]]:
     """This rank's prompts of generated batch t: a pure function of t, so resume needs no dataloader state."""
-    orders: dict[int, torch.Tensor] = {}  # epoch -> its shuffle, drawn once per call (a batch spans <= 2 epochs)
+    orders: dict[int, list[int]] = {}  # epoch -> its shuffle, drawn once per call (a batch spans <= 2 epochs)
     out = []
     start = t * sizes.batch + rank * sizes.local_batch
     for i in range(start, start + sizes.local_batch):
         epoch, j = divmod(i, len(prompts))
         if epoch not in orders:
-            orders[epoch] = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch))
+            order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch))
+            orders[epoch] = host_list(order)
         out.append(prompts[orders[epoch][j]])
     return out

@@ -46,11 +46,13 @@ def test_masked_var_unbiased_and_biased():
     assert_close(masked_var(X, MASK, unbiased=False), torch.tensor(10.0 / 5, dtype=F64))
 
 
-def test_masked_var_needs_two_values_when_unbiased():
+def test_masked_var_of_too_few_values_is_zero_and_whitens_to_zero():
+    """One value (unbiased) or none: variance 0, not a ValueError (checking the count reads the device) nor a NaN."""
     one = torch.tensor([[True, False, False], [False, False, False]])
-    with pytest.raises(ValueError, match="at least 2"):
-        masked_var(X, one)
+    assert_close(masked_var(X, one), torch.tensor(0.0, dtype=F64))
     assert_close(masked_var(X, one, unbiased=False), torch.tensor(0.0, dtype=F64))
+    assert_close(masked_var(X, torch.zeros_like(one)), torch.tensor(0.0, dtype=F64))
+    assert_close(masked_whiten(X, one), torch.zeros_like(X))
 
 
 def test_masked_whiten():

@@ -1,0 +1,93 @@
+"""A generated batch's one device-to-host read, after its update (rlhf.trainers.loop, step 9).
+
+Everything the loop wants to know about a batch (its metrics, whether its numbers stayed finite, this rank's scores
+for the completions table) stays on the device until the batch's update is queued, then comes back in one read.
+A read inside a micro-step (an `.item()`, a tensor's truth value) makes the host wait for every kernel queued before
+it: on a GPU the device then idles while the host prepares the next kernels, at every read.
+
+Checks come after the update, before the engine gets the new weights and before anything is saved: a run whose
+numbers went bad stops at the batch where they did, and its last good checkpoint stays as it was. (Checked inside
+the micro-step, as before, the optimizer step was skipped too; the weights it spoils now are never used.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.models.batch import host_list
+from rlhf.trainers import checkpoint
+from rlhf.trainers.summary import mean_stats
+
+LOSS = "check/loss"  # each micro-step's total loss, in its stats: read with the rest, never logged
+BAD_SCORES = "check/nonfinite_scores"
+TRAIL = (("loss", LOSS), ("the gradient norm", "policy/grad_norm"))  # what a micro-step can spoil, in order
+
+
+@dataclass
+class Readback:
+    row: dict[str, float]  # the batch's metrics, each averaged over the training processes
+    scores: list[float]  # this rank's scores (N,), after the missing-EOS penalty
+    gold: list[float] | None  # this rank's gold scores (N,), when the task has a gold
+
+
+def read_batch(run, t: int, col, step_stats: list[dict[str, torch.Tensor]]) -> Readback:
+    """Batch t's metrics (the objective's, its micro-steps' means, the rollout's) in one read; stops the run when its
+    scores, loss or gradient norm are not finite. col: the loop's Collected batch."""
+    r = col.rollout
+    stats = {**col.stats, **mean_stats(step_stats)}
+    stats.update(
+        {
+            "objective/scores": r.scores.mean(),
+            "objective/entropy": (-r.logp).sum(1).mean(),
+            "completions/mean_length": r.response_mask.sum(1).float().mean(),
+            "completions/eos_rate": col.inputs.has_eos.float().mean(),
+            BAD_SCORES: (~torch.isfinite(r.scores)).float().sum(),
+        }
+    )
+    if r.is_weight is not None:
+        stats["policy/is_weight"] = r.is_weight.mean()
+    # the host scores the gold (scikit-learn, or the verifier) while the device runs the update queued before
+    gold = host_list(run.gold(col.host, col.texts)) if run.gold is not None else None
+    if gold is not None:
+        stats["objective/gold"] = sum(gold) / len(gold)
+    keys = sorted(stats)  # every rank reduces in the same order
+    device = run.acc.device
+    local = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32, device=device) for k in keys])
+    reduced = run.acc.reduce(local, reduction="mean")
+    trail = [(name, s[key]) for s in step_stats for name, key in TRAIL if key in s]  # micro-step order
+    this_rank = [r.scores.float(), torch.stack([v.float().to(device) for _, v in trail]).view(-1)]
+    values = torch.cat([reduced, *this_rank]).tolist()  # the read
+    row, scores = dict(zip(keys, values[: len(keys)])), values[len(keys) : len(keys) + len(r.scores)]
+    _check_finite(run, t, row, len(scores), zip([name for name, _ in trail], values[len(keys) + len(scores) :]))
+    return Readback(row, scores, gold)
+
+
+def _check_finite(run, t: int, row: dict[str, float], n: int, trail) -> None:
+    """Stop at batch t when its scores, a loss or a gradient norm is not finite on any rank (the reduced means say
+    so on every rank alike), naming the first that went bad here: the scores, then each micro-step's loss and
+    gradient norm in order (trail: (name, value) pairs)."""
+    c = run.cfg.train
+    bad = round(row.pop(BAD_SCORES) * run.acc.num_processes)
+    loss, norm = row.pop(LOSS), row.get("policy/grad_norm", 0.0)
+    if bad:
+        what = f"the reward ({c.reward}) returned NaN/inf for {bad} of {n * run.acc.num_processes} samples"
+        raise stopped(run, t, what)
+    if math.isfinite(loss) and math.isfinite(norm):
+        return
+    for name, value in trail:
+        if not math.isfinite(value):  # a finite loss can still overflow in its backward
+            raise stopped(run, t, f"{name} became {value}")
+    raise stopped(run, t, f"loss became {loss} on another training process")
+
+
+def stopped(run, t: int, what: str) -> RuntimeError:
+    """The error that stops a run whose numbers went bad at batch t, saying what a re-run resumes from."""
+    c, last = run.cfg.train, checkpoint.latest(run.ckpt_dir)[0]
+    if last is not None:
+        where = f"the last good checkpoint, {last}, is intact: fix the cause and run the stage again to resume from it"
+    else:
+        where = "no checkpoint was saved yet" + (" (train.save_every=0)" if not c.save_every else "")
+    return RuntimeError(f"{what} at batch {t} (trainer {c.trainer}); {where}")
