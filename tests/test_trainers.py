@@ -268,3 +268,39 @@ def test_every_model_that_samples_or_scores_computes_in_the_training_precision(c
     assert set(seen) == set(models) - ({"reference"} if run.ref is None else set())
     assert {name: set(dtypes) for name, dtypes in seen.items()} == {name: {torch.bfloat16} for name in seen}
     assert len(seen["policy"]) > 1  # the engine's decode steps and the behaviour forward
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "rloo", "online_dpo"])
+def test_an_iteration_reads_the_device_at_most_three_times_all_when_it_logs(ci_data, trainer, monkeypatch):
+    """Every `.item()`, `.tolist()`, `.cpu()`, `.numpy()` and tensor truth or number value taken in the loop's own code
+    between an iteration's post-processing and its log (bench/host_overhead.py's ReadCounter): on a GPU each one
+    waits for the device's queue. At most 3 per iteration, none inside a micro-step; reads of host bookkeeping go
+    through batch.host_list, which refuses device tensors. Seen failing on the loop before it (6950680): 141-165 reads
+    over the 3 iterations, 48 of them the prompt order's, read element by element."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from host_overhead import ReadCounter
+
+    from rlhf.trainers import loop
+
+    counter = ReadCounter()
+    counter.active = False
+    collect, log = loop.collect, loop.log
+
+    def counted_collect(*args, **kwargs):
+        counter.active = True
+        return collect(*args, **kwargs)
+
+    def counted_log(*args, **kwargs):
+        try:
+            return log(*args, **kwargs)
+        finally:
+            counter.active = False
+
+    monkeypatch.setattr(loop, "collect", counted_collect)
+    monkeypatch.setattr(loop, "log", counted_log)
+    with counter.installed():
+        train(ci_config(ci_data, f"train.trainer={trainer}", "train.total_episodes=24"))  # 3 iterations
+    reads = sum(counter.sites.values())
+    assert reads <= 3 * 3, dict(counter.sites)
+    assert all(site.startswith(("rlhf/trainers/readback.py", "rlhf/trainers/loop.py")) for site in counter.sites)
+    assert counter.counts["host"] > 0 and counter.counts["library"] > 0  # it saw host and library reads: it counts
