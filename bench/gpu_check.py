@@ -1,6 +1,7 @@
-"""`make gpu-check`: what one lent GPU can tell us, each check in a process of its own. a.-d. take ~6 minutes and e.
-~4 (H100/H200): within a 10-minute device call, run them as two calls, `--only stage,train,launch,llama-1b` and
-`--only pythia-1b`.
+"""`make gpu-check`: what one lent GPU can tell us, each check in a process of its own. a.-d. took ~6 minutes and e.
+~4 on an H100/H200, before the HF engine compiled its decode step on a GPU (each process that samples now pays a
+compile first: tens of seconds at 1B, reasoned); f. ~8-9 (estimated: not yet run). Within a 10-minute device call,
+run them as three calls: `--only stage,train,launch,llama-1b`, `--only pythia-1b` and `--only profile`.
 
 Checks, in order (later ones use what earlier ones wrote):
   a. the `ci` stages end to end on CUDA with the HF engine (prepare, gold, sft, reward, train, generate, evaluate);
@@ -12,14 +13,22 @@ Checks, in order (later ones use what earlier ones wrote):
      sync of its state dict (GPU -> the project's SharedWeights -> GPU) against a device-to-device copy;
   e. the `ci` pipeline again at Pythia-1B's shape (GPT-NeoX, ~0.82B with a 4k vocabulary) in a data_dir of its own:
      every stage, PPO (policy, value model, reference, RM) and online DPO with bf16 and gradient checkpointing, and
-     PPO again under torch.profiler: the GPU's kernel time against the steps' wall time (GPU- or host-bound?).
+     PPO again under torch.profiler: the GPU's kernel time against the steps' wall time (GPU- or host-bound?);
+  f. the profile group (bench/gpu_profile.py, names "profile ..."), each figure beside the issue's target: the 1B
+     Llama step compiled, with fused AdamW, against the card's matmul peak measured in the same process; the HF
+     engine's ms per decoding step at batch 64 on Pythia-1B, dynamic vs static cache; PPO and online DPO at
+     Pythia-1B's 8 x 8 shape and at the paper's TL;DR shape (64 prompts x 53 tokens after ~512-token prompts,
+     Pythia-410m's layout), each shape with its own data stages: seconds per phase, GPU busy, kernels per update.
 One line per check: ok/FAIL, seconds, the peak memory of its process (torch.cuda.max_memory_allocated; on the CPU
-the peak RSS), key figures. The full log (gpu_check.log) and the figures (gpu_check.json) go to --out.
-`--cpu-dry-run` runs the same logic on the CPU at tiny sizes (tests/test_gpu_scripts.py runs part of it).
+the peak RSS), key figures (a figure with a target: `busy=0.83 (target >= 0.8: met)`). The full log
+(gpu_check.log) and the figures (gpu_check.json, with each target and whether it was met) go to --out.
+`--cpu-dry-run` runs the same logic on the CPU at tiny sizes (tests/test_gpu_scripts.py runs parts of it and all
+of f.).
 
 It runs on the lent machine's own python3 (torch 2.11, transformers 5.17; no venv, no `rlhf` console script):
 children are `python3 bench/gpu_check.py --child ...`, stages run through rlhf.cli.main in that child. The
-wheels its image lacks travel in .whl/ (`make gpu-wheels`, bench/gpu_wheels.txt). The device `run` call:
+wheels its image lacks travel in .whl/ (`make gpu-wheels`, bench/gpu_wheels.txt). The device `run` call (f.: the
+same with `--only profile`; its checks write gpu_check.json as each ends, so a call cut short keeps what ran):
 
   command: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
            .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 &&
@@ -39,41 +48,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_llama import llama_step, weight_sync  # d., in bench/ beside this script
+# beside this script in bench/: the profile group's decode check, d.'s children, the profile group, what all share
+from gpu_decode import hf_decode
+from gpu_llama import LLAMA_1B, LLAMA_TINY, llama_compiled, llama_step, weight_sync
+from gpu_profile import data_stages, profile_plan, profiled_train
+from gpu_stages import PYTHIA_1B, ROOT, STAGES, TRAINER_SETTINGS, Check, data_dir, stage, stage_figures
 
-ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("prepare", "gold", "sft", "reward", "train", "generate", "evaluate")
 TRAINERS = ("ppo", "rloo", "online_dpo")
-# b.: every memory-saving path at once, as a GPU user of a larger model would run it
-TRAINER_SETTINGS = ("train.mixed_precision=bf16", "train.gradient_checkpointing=true", "train.lora.rank=4")
 # c.: (trainer, accelerate config, settings) launched as a user launches them
 LAUNCHED = (("ppo", "zero2", ("train.mixed_precision=bf16",)), ("online_dpo", "zero3", TRAINER_SETTINGS[::2]))
-# d.: ~1.0B parameters (TinyLlama's shape with a 32k vocabulary) / a 2-layer 64-wide one for the dry run
-LLAMA_1B = dict(hidden=2048, layers=16, heads=32, vocab=32000, intermediate=5632, batch=8, seq=512, steps=8)
-LLAMA_TINY = dict(hidden=64, layers=2, heads=2, vocab=512, intermediate=128, batch=2, seq=32, steps=2)
-# e.: the `ci` pipeline at Pythia-1B's shape (GPT-NeoX, 16 x 2048, 8 heads, MLP 8192; a 4k word vocabulary, not
-# Pythia's 50k: ~0.82B parameters), its trainers as a GPU user would run them; the dry run keeps ci's shape
-PYTHIA_1B = (
-    "model.architecture=gpt_neox",
-    "model.hidden_size=2048",
-    "model.num_layers=16",
-    "model.num_heads=8",
-    "model.intermediate_size=8192",
-    "model.vocab_size=4096",
-    "sft.learning_rate=3e-4",  # ci's 3e-3 suits a 100k-parameter model; at 0.82B: held-out loss 8.82 > ln 4096 (H200)
-)
-PYTHIA_EPISODES = 64  # 8 updates of 8 prompts: steady-state step times (ci's 16 episodes are 2 updates)
-
-
-@dataclass
-class Check:
-    name: str
-    func: str  # a key of CHILDREN, run in a child process
-    args: dict = field(default_factory=dict)
-    timeout: float = 120.0  # seconds; past it the check FAILs with "timeout"
+PYTHIA_EPISODES = 64  # e.: 8 updates of 8 prompts: steady-state step times (ci's 16 episodes are 2 updates)
 
 
 def plan(data: Path, dry_run: bool) -> list[Check]:
@@ -90,7 +76,7 @@ def plan(data: Path, dry_run: bool) -> list[Check]:
     out.append(Check("llama-1b step", "llama_step", {**shape, "ckpt": False}, 150.0))
     out.append(Check("llama-1b step grad-ckpt", "llama_step", {**shape, "ckpt": True}, 150.0))
     out.append(Check("llama-1b weight sync", "weight_sync", {**shape, "repeats": 3}, 150.0))
-    return out + pythia_plan(data.with_name("pythia"), dry_run)
+    return out + pythia_plan(data.with_name("pythia"), dry_run) + profile_plan(data.parent, dry_run)
 
 
 def pythia_plan(data: Path, dry_run: bool) -> list[Check]:
@@ -140,14 +126,31 @@ def run_check(check: Check, out: Path, env: dict, log) -> dict:
     seconds = time.perf_counter() - start
     child = json.loads(result_file.read_text()) if result_file.exists() else {}
     error = (child.get("error") or error) if error else None  # the child's own line says more than its exit code
-    return {"name": check.name, "ok": error is None, "seconds": round(seconds, 2), **child, "error": error}
+    result = {"name": check.name, "ok": error is None, "seconds": round(seconds, 2), **child, "error": error}
+    return result | targets(check.targets, result.get("figures", {}))
+
+
+def targets(wanted: dict, figures: dict) -> dict:
+    """The issue's targets for a check's figures, {"targets": {figure: ">= 0.8"}, "met": {figure: bool}}: whether
+    each was met is read at a glance, not what makes a check ok (that it ran). A figure missing is not met."""
+    if not wanted:
+        return {}
+    met = {
+        k: k in figures and (figures[k] >= bound if op == ">=" else figures[k] <= bound)
+        for k, (op, bound) in wanted.items()
+    }
+    return {"targets": {k: f"{op} {bound:g}" for k, (op, bound) in wanted.items()}, "met": met}
 
 
 def line(r: dict) -> str:
-    """The check's line: ok/FAIL, name, seconds, peak memory, figures (or the error)."""
+    """The check's line: ok/FAIL, name, seconds, peak memory, figures (or the error), each figure with a target
+    followed by it and whether it was met: busy=0.83 (target >= 0.8: met)."""
     peak = r.get("peak_gib")
     memory = f"peak {peak:7.2f} GiB ({r.get('peak_kind', '?')})" if peak is not None else "peak       ?"
-    tail = r["error"] if r["error"] else "  ".join(f"{k}={_fmt(v)}" for k, v in r.get("figures", {}).items())
+    figures, wanted, met = r.get("figures", {}), r.get("targets", {}), r.get("met", {})
+    marks = {k: f" (target {wanted[k]}: {'met' if met[k] else 'MISSED'})" for k in wanted}
+    tail = r["error"] if r["error"] else "  ".join(f"{k}={_fmt(v)}{marks.get(k, '')}" for k, v in figures.items())
+    tail = "  ".join([tail, *(f"{k} (target {wanted[k]}): not measured" for k in wanted if k not in figures)])
     return f"{'ok  ' if r['ok'] else 'FAIL'}  {r['name']:<32} {r['seconds']:6.1f} s  {memory}  {tail}"
 
 
@@ -276,22 +279,6 @@ def peak_memory(device) -> dict:
     return {"peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3), "peak_kind": "rss"}
 
 
-def data_dir(cli: list[str]) -> Path:
-    """The data_dir=<folder> a check's command line sets."""
-    return Path(next(a for a in cli if a.startswith("data_dir=")).partition("=")[2])
-
-
-def stage(device, cli: list[str]) -> dict:
-    """`rlhf --profile ci <cli>` in this process; figures from the stage's metrics JSON (train: its csv)."""
-    from rlhf.cli import main as rlhf_main
-
-    code = rlhf_main(["--params", str(ROOT / "params.yaml"), "--profile", "ci", *cli])
-    if code != 0:
-        raise RuntimeError(f"rlhf {cli[0]} exited {code} (its error line is in the log)")
-    data = data_dir(cli)
-    return stage_figures(data, cli[0])
-
-
 def profiled_stage(device, cli: list[str]) -> dict:
     """`stage` under torch.profiler: is a train step GPU-bound or host-bound? The device's kernel time against the
     wall time of the steps (the profiler's overhead is the host's, so `busy` is a lower bound), the kernels per
@@ -352,34 +339,16 @@ def launch(device, zero: str, cli: list[str]) -> dict:
     return {**stage_figures(data, "train"), **peak}
 
 
-def stage_figures(data: Path, name: str) -> dict:
-    """A stage's key figures: the train stage's number of updates, its first step's seconds, the mean of every other
-    timing/* column and eps, its last objective/scores (rlhf.tracking.logged_rows); other stages' first four numbers
-    of their metrics/<stage>.json."""
-    if name == "train":  # the first update pays CUDA's warm-up: the others' means, where there are others
-        from rlhf.tracking import logged_rows
-
-        rows = logged_rows(data)
-        steady = rows[1:] or rows
-        mean = lambda k: sum(float(r[k]) for r in steady) / len(steady)  # noqa: E731
-        keys = [k for k in rows[0] if k.startswith("timing/") and k != "timing/elapsed"] + ["eps"]
-        figures = {"updates": len(rows), "first_step": round(float(rows[0]["timing/step"]), 3)}
-        figures |= {k.removeprefix("timing/"): round(mean(k), 4) for k in keys}
-        return {**figures, "scores": float(rows[-1]["objective/scores"])}
-    path = data / "metrics" / f"{'eval' if name == 'evaluate' else name}.json"
-    if not path.exists():  # generate writes generations, no metrics
-        return {}
-    metrics = json.loads(path.read_text())
-    numbers = {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
-    return dict(list(numbers.items())[:4])
-
-
 CHILDREN = {
     "stage": stage,
     "profiled_stage": profiled_stage,
     "launch": launch,
     "llama_step": llama_step,
     "weight_sync": weight_sync,
+    "llama_compiled": llama_compiled,
+    "hf_decode": hf_decode,
+    "data_stages": data_stages,
+    "profiled_train": profiled_train,
 }
 
 if __name__ == "__main__":

@@ -1,11 +1,16 @@
 """`make gpu-check`'s d. (bench/gpu_check.py runs each in a child process): a random-initialised ~1B Llama's
 bf16-autocast AdamW steps, and the async engine's host-memory weight sync of its state dict against pinned buffers
-and a device-to-device copy. Each takes the child's device and returns its figures."""
+and a device-to-device copy; for the profile group, the same step compiled against the card's measured matmul peak.
+Each takes the child's device and returns its figures."""
 
 from __future__ import annotations
 
 import shutil
 import time
+
+# ~1.0B parameters (TinyLlama's shape with a 32k vocabulary) / a 2-layer 64-wide one for the dry run
+LLAMA_1B = dict(hidden=2048, layers=16, heads=32, vocab=32000, intermediate=5632, batch=8, seq=512, steps=8)
+LLAMA_TINY = dict(hidden=64, layers=2, heads=2, vocab=512, intermediate=128, batch=2, seq=32, steps=2)
 
 
 def _llama(device, hidden, layers, heads, vocab, intermediate, seq, **_):
@@ -41,8 +46,10 @@ def _timed(fn, device, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def llama_step(device, ckpt: bool, batch: int, seq: int, steps: int, **shape) -> dict:
-    """AdamW steps of a bf16-autocast forward and backward over batch x seq random tokens (fp32 master weights)."""
+def llama_step(device, ckpt: bool, batch: int, seq: int, steps: int, backend: str | None = None, **shape) -> dict:
+    """AdamW steps of a bf16-autocast forward and backward over batch x seq random tokens (fp32 master weights).
+    backend: torch.compile each decoder layer with it (one graph, which the 16 identical layers share: compiles in
+    a layer's time, not the model's); the warm-up's first step, which compiles, is `compile_s`."""
     import torch
 
     from rlhf.runtime import adamw
@@ -50,6 +57,8 @@ def llama_step(device, ckpt: bool, batch: int, seq: int, steps: int, **shape) ->
     model = _llama(device, seq=seq, **shape)
     if ckpt:
         model.gradient_checkpointing_enable()
+    for layer in model.model.layers if backend else ():
+        layer.compile(backend=backend)
     model.train()
     opt = adamw(model.parameters(), device, lr=1e-5)
     ids = torch.randint(shape["vocab"], (batch, seq), device=device)
@@ -57,13 +66,14 @@ def llama_step(device, ckpt: bool, batch: int, seq: int, steps: int, **shape) ->
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss  # a training step keeps no KV cache
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
 
-    _timed(step, device, 2)  # warm-up: the allocator, cuBLAS's plans, AdamW's state
+    compile_s = _timed(step, device, 1)  # warm-up: the allocator, cuBLAS's plans, AdamW's state, the compile
+    _timed(step, device, 1)
     seconds = _timed(step, device, steps)
     params = sum(p.numel() for p in model.parameters())
     flops = 6 * params * batch * seq  # forward + backward, recomputation not counted
@@ -72,9 +82,37 @@ def llama_step(device, ckpt: bool, batch: int, seq: int, steps: int, **shape) ->
         "batch_x_seq": f"{batch}x{seq}",
         "step_s": round(seconds, 4),
         "tokens_per_s": round(batch * seq / seconds),
-        "tflops": round(flops / seconds / 1e12, 2),
+        "tflops": float(f"{flops / seconds / 1e12:.4g}"),  # 4 digits: a CPU's are thousandths
         "loss": round(float(losses[-1]), 3),
+        **(_compiled(compile_s) if backend else {}),
     }
+
+
+def _compiled(compile_s: float) -> dict:
+    """The compile's seconds and the graphs dynamo made: 1 when every layer reuses the first one's (a layer that
+    recompiled, e.g. over a KV cache's layer index, counts one more, and past 8 the rest run uncompiled)."""
+    from torch._dynamo.utils import counters
+
+    return {"compile_s": round(compile_s, 1), "graphs": int(counters["stats"]["unique_graphs"])}
+
+
+def matmul_tflops(device, n: int, repeats: int = 20) -> float:
+    """TFLOP/s of an n x n x n bf16 matmul (2 n^3 FLOPs), back to back into one output: what this card's cuBLAS
+    sustains, the yardstick a training step's TFLOP/s is read against (a datasheet's peak is rarely reached)."""
+    import torch
+
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    _timed(lambda: torch.mm(a, b, out=out), device, 3)
+    return 2 * n**3 / _timed(lambda: torch.mm(a, b, out=out), device, repeats) / 1e12
+
+
+def llama_compiled(device, matmul_n: int, backend: str, **shape) -> dict:
+    """The profile group's: the card's matmul TFLOP/s, then the Llama's step (fused AdamW on a GPU, each layer
+    compiled with `backend`, no checkpointing) in the same process, its TFLOP/s as a share of the matmul's."""
+    peak = matmul_tflops(device, matmul_n)
+    figures = llama_step(device, ckpt=False, backend=backend, **shape)
+    return {**figures, "matmul_tflops": float(f"{peak:.4g}"), "peak_share": float(f"{figures['tflops'] / peak:.3g}")}
 
 
 def weight_sync(device, repeats: int, **shape) -> dict:

@@ -19,8 +19,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_check  # noqa: E402
+import gpu_profile  # noqa: E402
 
 DRY_RUN = ["train ppo bf16+ckpt+lora", "llama-1b step", "llama-1b step grad-ckpt", "llama-1b weight sync"]
+PROFILE = [
+    "profile llama-1b compiled",
+    "profile hf decode",
+    *(f"profile {shape} {what}" for shape in ("tldr", "pythia-1b") for what in ("data", "ppo", "online_dpo")),
+]
 
 
 def test_gpu_check_plans_the_ci_stages_three_trainers_and_the_llama_checks(tmp_path):
@@ -31,7 +37,54 @@ def test_gpu_check_plans_the_ci_stages_three_trainers_and_the_llama_checks(tmp_p
     big = gpu_check.plan(tmp_path, dry_run=False)[14].args
     assert (big["hidden"], big["layers"], big["heads"], big["vocab"]) == (2048, 16, 32, 32000)
     pythia = [f"pythia-1b {s}" for s in ("prepare", "gold", "sft", "reward", "train ppo", "profile ppo")]
-    assert names[15:] == [*pythia, "pythia-1b train online_dpo", "pythia-1b generate", "pythia-1b evaluate"]
+    assert names[15:24] == [*pythia, "pythia-1b train online_dpo", "pythia-1b generate", "pythia-1b evaluate"]
+    assert names[24:] == PROFILE
+
+
+def test_gpu_checks_profile_group_is_picked_by_its_first_word_and_says_its_targets(tmp_path):
+    """`--only profile` picks the group and nothing else (no other check's name starts with "profile "); the issue's
+    targets ride on the checks that measure them."""
+    checks = gpu_check.plan(tmp_path / "data", dry_run=False)
+    picked, unknown = gpu_check.select(checks, "profile")
+    assert [c.name for c in picked] == PROFILE and not unknown
+    targets = {c.name: c.targets for c in picked if c.targets}
+    assert targets == {
+        "profile llama-1b compiled": {"peak_share": (">=", 0.40)},
+        "profile hf decode": {"best_ms": ("<=", 5.0)},
+        "profile pythia-1b ppo": {"step_s": ("<=", 0.3)},
+        "profile tldr ppo": {"busy": (">=", 0.80)},
+        "profile tldr online_dpo": {"busy": (">=", 0.80)},
+    }
+    assert {c.args["cli"][-2].split("=")[0] for c in picked if "cli" in c.args} == {"train.total_episodes"}
+
+
+def test_gpu_checks_tldr_shape_is_the_papers_batch_with_pythia_410ms_layout(tmp_path):
+    """The TL;DR checks' settings validate and give 64 prompts x 53 new tokens an update, 4 updates, room for prompts
+    of up to 587 tokens (440 words are ~514 tokens, bench/gpu_profile.py), PPO with one sample a prompt, and a model
+    of Pythia-410m's layout (~0.31B parameters with the 4k vocabulary)."""
+    from rlhf.config.loader import load_config
+    from rlhf.models import tiny
+
+    checks = {c.name: c for c in gpu_check.plan(tmp_path / "data", dry_run=False)}
+    ppo = [a for a in checks["profile tldr ppo"].args["cli"] if "=" in a]
+    assert f"data_dir={tmp_path / 'profile-tldr'}" in ppo and "train.k=1" in ppo
+    cfg = load_config(ROOT / "params.yaml", "ci", [*ppo, "train.trainer=ppo"])
+    t = cfg.train
+    prompts = t.per_device_train_batch_size * t.gradient_accumulation_steps * t.num_mini_batches
+    assert (prompts, t.response_length, t.num_batches(), t.k, cfg.data.prompt_words) == (64, 53, 4, 1, 440)
+    assert cfg.model.max_position_embeddings - t.response_length == 587
+    tok = tiny.train_word_tokenizer(["a b c"], vocab_size=64)
+    tok.add_tokens([f"w{i}" for i in range(cfg.model.vocab_size - len(tok))])
+    with torch.device("meta"):
+        model = tiny.build_tiny_model(cfg.model, tok, seed=0)
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.num_attention_heads) == (
+        24,
+        1024,
+        16,
+    )
+    assert 0.30e9 < tiny.count_parameters(model) < 0.32e9
+    data = [a for a in checks["profile tldr data"].args["common"] if "=" in a]
+    assert set(data) < set(ppo) and "train.k=1" not in data  # the data stages share the train stage's settings
 
 
 def test_gpu_check_only_takes_names_or_their_first_words(tmp_path):
@@ -159,3 +212,62 @@ def test_gpu_check_profiled_train_reports_the_ops_time_against_the_steps(ci_data
     assert figures["updates"] == 2 and figures["kernels_per_update"] == 0  # no GPU, no kernels
     assert 0 < figures["cpu_ops_s"] and 0 < figures["steps_s"] and figures["busy"] > 0
     assert "Self CPU" in proc.stdout  # the table, for the log
+
+
+def test_gpu_check_profile_groups_dry_run_measures_every_figure_beside_its_target(tmp_path):
+    """`--cpu-dry-run --only profile` as the device call runs it, data stages included, at tiny sizes: every check ok,
+    its figures measured and consistent with one another, each target printed beside its figure."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--only", "profile", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(("ok", "FAIL"))]
+    assert len(lines) == len(PROFILE) and all(x.startswith("ok") and n in x for n, x in zip(PROFILE, lines))
+    checks = {c["name"]: c for c in json.loads((out / "gpu_check.json").read_text())["checks"]}
+    figures = {name: c["figures"] for name, c in checks.items()}
+    llama = figures["profile llama-1b compiled"]
+    assert (
+        llama["compile_s"] > 0
+        and llama["graphs"] == 1
+        and llama["peak_share"] == pytest.approx(llama["tflops"] / llama["matmul_tflops"], 0.01)
+    )
+    decode = figures["profile hf decode"]
+    assert decode["dynamic_ms"] > 0 and decode["static_ms"] > 0 and decode["static_graphs"] == 1
+    assert decode["best_ms"] == min(decode["dynamic_ms"], decode["static_ms"]) and 0 <= decode["rows_alike"] <= 1
+    assert decode["dynamic_repeats"] is True and decode["static_repeats"] is True  # one CPU, one seed: bit for bit
+    short, tldr = figures["profile pythia-1b data"], figures["profile tldr data"]
+    assert all(short[f"{s}_s"] > 0 and tldr[f"{s}_s"] > 0 for s in ("prepare", "gold", "sft", "reward"))
+    assert short["prompt_tokens_mean"] < 20 < tldr["prompt_tokens_mean"] <= tldr["prompt_tokens_max"] <= 80 - 12
+    for name in PROFILE[3:5] + PROFILE[6:]:  # the trainers
+        train = figures[name]
+        assert train["updates"] == 4 and train["ops_per_update"] > 1000 and 0 < train["busy"] <= 1.5
+        phases = sum(train[f"{p}_s"] for p in ("generation", "scoring", "reference", "update", "weight_sync"))
+        assert 0 < phases <= train["step_s"] * 1.05 and train["profiled_s"] > 0
+    assert checks["profile tldr ppo"]["targets"] == {"busy": ">= 0.8"}
+    assert checks["profile tldr ppo"]["met"] == {"busy": figures["profile tldr ppo"]["busy"] >= 0.8}
+    assert "busy=" in lines[3] and "(target >= 0.8: " in lines[3] and "(target <= 0.3: " in lines[6]
+    assert "Self CPU" in (out / "gpu_check.log").read_text()  # the profiled windows' busiest ops, for the log
+
+
+MOCK_UTILISATION = """#!/bin/sh
+# MOCK: nvidia-smi's utilisation stream (no GPU here), as `-lms 100` prints it: 40 and 60 in turn, every 0.1 s
+while true; do echo 40; sleep 0.1; echo 60; sleep 0.1; done
+"""
+
+
+def test_gpu_check_reads_nvidia_smis_utilisation_within_the_updates_it_is_asked_about(tmp_path, monkeypatch):
+    """The profile group's second reading of busy: nvidia-smi's stream read while the block runs, stamped on
+    arrival, averaged over the windows asked for (none in a window: no figure), the stream stopped at the end."""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(MOCK_UTILISATION)
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with gpu_profile.Utilisation(torch.device("cuda", 0)) as smi_busy:
+        start = time.perf_counter()
+        time.sleep(1.2)
+        end = time.perf_counter()
+    assert len(smi_busy.samples) >= 5 and smi_busy._proc.poll() is not None
+    assert 0.4 <= smi_busy.mean([(start, end)]) <= 0.6 and smi_busy.mean([(end + 1, end + 2)]) is None
+    assert gpu_profile.Utilisation(torch.device("cpu")).__enter__()._proc is None  # the dry run reads none
