@@ -53,7 +53,7 @@ from pathlib import Path
 # beside this script in bench/: the profile group's decode check, d.'s children, the profile group, what all share
 from gpu_decode import hf_decode
 from gpu_llama import LLAMA_1B, LLAMA_TINY, llama_compiled, llama_step, weight_sync
-from gpu_profile import data_stages, profile_plan, profiled_train
+from gpu_profile import activity, data_stages, profile_plan, profiled_train
 from gpu_stages import PYTHIA_1B, ROOT, STAGES, TRAINER_SETTINGS, Check, data_dir, stage, stage_figures
 
 TRAINERS = ("ppo", "rloo", "online_dpo")
@@ -280,10 +280,9 @@ def peak_memory(device) -> dict:
 
 
 def profiled_stage(device, cli: list[str]) -> dict:
-    """`stage` under torch.profiler: is a train step GPU-bound or host-bound? The device's kernel time against the
-    wall time of the steps (the profiler's overhead is the host's, so `busy` is a lower bound), the kernels per
-    update; the table of the busiest ops goes to the log. On the CPU (dry run): the ops' own CPU time instead."""
-    from torch.autograd import DeviceType
+    """`stage` under torch.profiler: is a train step GPU-bound or host-bound? The device's kernel and copy time
+    against the wall time of the steps (the profiler's overhead is the host's, so `busy` is a lower bound), the kernels
+    per update; the table of the busiest ops goes to the log. On the CPU (dry run): the ops' own CPU time instead."""
     from torch.profiler import ProfilerActivity, profile
 
     from rlhf.tracking import logged_rows
@@ -293,16 +292,16 @@ def profiled_stage(device, cli: list[str]) -> dict:
         figures = stage(device, cli)
     ops = prof.key_averages()
     print(ops.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25), flush=True)
-    data = data_dir(cli)
-    steps_s = sum(float(r["timing/step"]) for r in logged_rows(data))
-    own_s = sum((o.self_device_time_total if cuda else o.self_cpu_time_total) for o in ops) / 1e6
-    kernels = sum(o.count for o in ops if o.device_type == DeviceType.CUDA)
+    steps_s = sum(float(r["timing/step"]) for r in logged_rows(data_dir(cli)))
+    # the device's own events only: summing every op's self device time counted each kernel twice, once as the
+    # kernel and once in the op that launched it
+    own_s, work = activity(prof, cuda)
     return {
         "updates": figures["updates"],
         "steps_s": round(steps_s, 3),
         "device_s" if cuda else "cpu_ops_s": round(own_s, 3),
         "busy": round(own_s / steps_s, 3),  # includes the loading's copies: a little generous on a GPU
-        "kernels_per_update": round(kernels / figures["updates"]),
+        "kernels_per_update": round(work / figures["updates"]) if cuda else 0,
     }
 
 
