@@ -122,14 +122,17 @@ def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradi
 
 
 def test_micro_batches_take_a_few_bucketed_widths_that_hold_their_longest_rows():
-    """A micro-batch keeps the columns its longest prompt and longest response reach, rounded up to multiples of
-    max(16, width / 4): a run's micro-batches take a few shapes (CUDA graphs, the allocator's reuse), not one each."""
+    """A micro-batch keeps the columns its longest prompt and longest response reach, on a GPU rounded up to multiples
+    of max(16, width / 4): a run's micro-batches take a few shapes (CUDA graphs, the allocator's reuse), not one
+    each. On the CPU the exact cut."""
     assert [bucket(n, 53) for n in (1, 16, 17, 33, 49, 53)] == [16, 16, 32, 48, 53, 53]
     assert [bucket(n, 600) for n in (1, 150, 151, 599)] == [150, 150, 300, 600]
     assert {bucket(n, 8) for n in range(1, 9)} == {8}  # a narrow dimension is never cut
     spans = [(3, 20), (120, 40), (90, 5)]  # per prompt: tokens, longest response
-    assert micro_batch_columns(spans, [0, 2], 600, 53) == (600 - 150, 32)
-    assert micro_batch_columns(spans, [1], 600, 53) == (600 - 150, 48)
+    assert micro_batch_columns(spans, [0, 2], 600, 53, bucketed=True) == (600 - 150, 32)
+    assert micro_batch_columns(spans, [1], 600, 53, bucketed=True) == (600 - 150, 48)
     groups = [[0], [1], [2], [0, 1], [1, 2]]
-    widths = {micro_batch_columns(spans, g, 600, 53) for g in groups}
+    widths = {micro_batch_columns(spans, g, 600, 53, bucketed=True) for g in groups}
     assert len(widths) <= 3 and all(600 - first >= 120 for first, _ in widths)
+    exact = {micro_batch_columns(spans, g, 600, 53, bucketed=False) for g in groups}  # the CPU's: the exact cut
+    assert exact == {(597, 20), (480, 40), (510, 5), (480, 40)}

@@ -104,13 +104,18 @@ def bucket(columns: int, width: int) -> int:
     return min(width, math.ceil(columns / step) * step)
 
 
-def micro_batch_columns(spans: list[tuple[int, int]], prompts: list[int], context: int, T: int) -> tuple[int, int]:
+def micro_batch_columns(
+    spans: list[tuple[int, int]], prompts: list[int], context: int, T: int, bucketed: bool
+) -> tuple[int, int]:
     """(first column, response columns) a micro-batch of `prompts` (indices into `spans`, ModelInput.spans) keeps:
-    the prompt columns its longest prompt reaches and the response columns its longest response reaches, each
-    rounded up to a bucket (`bucket`), so a run's micro-batches take a few shapes instead of one per micro-batch."""
+    the prompt columns its longest prompt reaches and the response columns its longest response reaches; `bucketed`
+    (on a GPU), each rounded up to a bucket (`bucket`), so a run's micro-batches take a few shapes instead of one
+    each. On the CPU the exact cut: no graphs to replay there, and the results stay those of the exact cut."""
     prompt = max(spans[i][0] for i in prompts)
-    response = max(spans[i][1] for i in prompts)
-    return context - bucket(prompt, context), bucket(max(response, 1), T)
+    response = max(max(spans[i][1] for i in prompts), 1)
+    if bucketed:
+        prompt, response = bucket(prompt, context), bucket(response, T)
+    return context - prompt, response
 
 
 def host_list(t: torch.Tensor) -> list:

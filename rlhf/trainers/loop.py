@@ -86,10 +86,10 @@ def iterate(run: Run, tracker: Tracker, state: checkpoint.LoopState, t: int) -> 
     collected = collect(run, t, clock)
     # 7. M mini-batches x E epochs of updates
     step_stats = update(run, collected, t, state)
-    clock.mark("update")
     crash_point("after_update", t)
-    # 8. the batch's one read: its metrics; a run whose numbers went bad stops here
+    # 8. the batch's one read: its metrics; a run whose numbers went bad stops here (on a GPU, the update ends here)
     readback = read_batch(run, t, collected, step_stats)
+    clock.mark("update")
     # 9. the engine samples from the new weights from now on
     sync(run, state, t)
     clock.mark("weight_sync")
@@ -285,11 +285,12 @@ def _importance_weights(run: Run, logp: torch.Tensor, gen: Generated, inputs: Mo
 
 def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> list[dict[str, torch.Tensor]]:
     """Step 7: E epochs of M mini-batches over this rank's prompts, each G micro-batches of P prompts, each without
-    the columns that are padding in all its rows (batch.trim_padding), rounded up to a few widths
+    the columns that are padding in all its rows (batch.trim_padding); on a GPU rounded up to a few widths
     (batch.micro_batch_columns: a shape per micro-batch would defeat CUDA graphs and the allocator's reuse)."""
     c, groups = run.cfg.train, col.groups
     P, G = c.per_device_train_batch_size, c.gradient_accumulation_steps
     context, T = col.inputs.context, col.inputs.response_mask.shape[1]
+    bucketed = run.acc.device.type == "cuda"  # a few shapes for CUDA graphs and the allocator; exact on the CPU
     run.model.train()
     stats = []
     for _ in range(c.num_ppo_epochs):
@@ -297,7 +298,7 @@ def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> lis
         for m in range(c.num_mini_batches):
             for g in range(G):
                 idx = order[(m * G + g) * P : (m * G + g + 1) * P]
-                first, width = micro_batch_columns(col.spans, idx, context, T)
+                first, width = micro_batch_columns(col.spans, idx, context, T, bucketed)
                 mb = trim_padding({k: v[idx] for k, v in groups.items()}, first, width)
                 stats.append(_micro_step(run, mb))
             state.global_step += 1

@@ -19,7 +19,6 @@ import torch
 
 from rlhf.models.batch import host_list
 from rlhf.trainers import checkpoint
-from rlhf.trainers.summary import mean_stats
 
 LOSS = "check/loss"  # each micro-step's total loss, in its stats: read with the rest, never logged
 BAD_SCORES = "check/nonfinite_scores"
@@ -37,7 +36,7 @@ def read_batch(run, t: int, col, step_stats: list[dict[str, torch.Tensor]]) -> R
     """Batch t's metrics (the objective's, its micro-steps' means, the rollout's) in one read; stops the run when its
     scores, loss or gradient norm are not finite. col: the loop's Collected batch."""
     r = col.rollout
-    stats = {**col.stats, **mean_stats(step_stats)}
+    stats = {**col.stats, **_means(step_stats)}
     stats.update(
         {
             "objective/scores": r.scores.mean(),
@@ -50,9 +49,9 @@ def read_batch(run, t: int, col, step_stats: list[dict[str, torch.Tensor]]) -> R
     if r.is_weight is not None:
         stats["policy/is_weight"] = r.is_weight.mean()
     # the host scores the gold (scikit-learn, or the verifier) while the device runs the update queued before
-    gold = host_list(run.gold(col.host, col.texts)) if run.gold is not None else None
+    gold = run.gold(col.host, col.texts) if run.gold is not None else None
     if gold is not None:
-        stats["objective/gold"] = sum(gold) / len(gold)
+        stats["objective/gold"] = gold.mean()
     keys = sorted(stats)  # every rank reduces in the same order
     device = run.acc.device
     local = torch.stack([torch.as_tensor(stats[k], dtype=torch.float32, device=device) for k in keys])
@@ -62,7 +61,13 @@ def read_batch(run, t: int, col, step_stats: list[dict[str, torch.Tensor]]) -> R
     values = torch.cat([reduced, *this_rank]).tolist()  # the read
     row, scores = dict(zip(keys, values[: len(keys)])), values[len(keys) : len(keys) + len(r.scores)]
     _check_finite(run, t, row, len(scores), zip([name for name, _ in trail], values[len(keys) + len(scores) :]))
-    return Readback(row, scores, gold)
+    return Readback(row, scores, None if gold is None else host_list(gold))
+
+
+def _means(step_stats: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Each metric's mean over the micro-steps that have it, summed in float64 (as the Python floats it replaces)."""
+    keys = sorted({k for s in step_stats for k in s})
+    return {k: torch.stack([s[k].double() for s in step_stats if k in s]).mean() for k in keys}
 
 
 def _check_finite(run, t: int, row: dict[str, float], n: int, trail) -> None:
