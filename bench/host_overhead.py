@@ -6,9 +6,10 @@ DPO on a deep, narrow model (Pythia-1B's 16 GPT-NeoX layers at width 64, where t
   each one waits for every kernel queued before it. Reads inside the libraries the loop calls are counted apart
   (`library_syncs_per_update`; most are torch's CPU AdamW reading its step counters, which a GPU's fused AdamW keeps
   on the device);
-- overhead_share: the share of the loop's wall time not spent inside the models' own work (their forwards, the
-  backward, the optimizer step with its gradient clipping): Python, the loop's own small ops, reads, copies. On a GPU
-  that is host time in which no model kernel is queued;
+- overhead_share: the share of the loop's wall time not spent inside the models' own work (the forwards of the
+  policy, value model, reference, reward model and gold judge, the backward, the optimizer step with its gradient
+  clipping): Python, the loop's own small ops, reads, copies. On a GPU that is host time in which no model kernel is
+  queued;
 - ops_per_update: the ATen ops the host dispatches (torch.profiler; each is at least one kernel launch on a GPU);
 - the phases' seconds (rlhf.trainers.loop's Clock), the engine's generation apart.
 
@@ -190,6 +191,8 @@ def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
     # gradient clipping is the optimizer's work (DeepSpeed clips inside its step; a GPU does it in a few foreach
     # kernels), not the loop's: on the CPU torch clips parameter by parameter, ~8 ms a PPO update here
     model_time.wrap(loop, "_clip_gradients")
+    if run.gold is not None:  # the gold judge's scoring is a model's forward too, as the reward model's
+        model_time.wrap(run, "gold")
     for name in ("step", "zero_grad"):
         model_time.wrap(run.optimizer, name)
     phases: Counter = Counter()

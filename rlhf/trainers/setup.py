@@ -75,9 +75,13 @@ class Run:
     params: SamplingParams = field(init=False)
     shuffle: torch.Generator = field(init=False)  # mini-batch order; saved in checkpoints
     ckpt_dir: Path = field(init=False)  # resume checkpoints of this run's settings
+    # the bare policy (no accelerate/DeepSpeed wrapper, no value head): what the engine and export see. Unwrapped once:
+    # accelerate's unwrap_model took 1.8 ms a call, every batch (bench/host_overhead.py)
+    policy: nn.Module = field(init=False)
 
     def __post_init__(self):
         c = self.cfg.train
+        self.policy = unwrap_policy(self.acc.unwrap_model(self.model))
         self.params = SamplingParams(c.k, c.response_length, c.temperature)
         self.shuffle = torch.Generator().manual_seed(self.cfg.rl_seed + 7919 * self.acc.process_index)
         self.ckpt_dir = checkpoint_dir(self.cfg)
@@ -86,11 +90,6 @@ class Run:
     def lora(self) -> bool:
         """The policy trains LoRA adapters: checkpoints hold only the weights that train."""
         return self.cfg.train.lora.rank > 0
-
-    @property
-    def policy(self) -> nn.Module:
-        """The bare policy (no accelerate/DeepSpeed wrapper, no value head): what the engine and export see."""
-        return unwrap_policy(self.acc.unwrap_model(self.model))
 
     def prompts_of(self, t: int) -> list[list[int]]:
         """This rank's prompts of generated batch t."""
