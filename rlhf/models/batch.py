@@ -8,6 +8,7 @@ from pad ids (pad may equal EOS, as in SmolLM2 and Pythia).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 import torch
@@ -105,7 +106,7 @@ def bucket(columns: int, width: int) -> int:
 
 
 def micro_batch_columns(
-    spans: list[tuple[int, int]], prompts: list[int], context: int, T: int, bucketed: bool
+    spans: list[tuple[int, int]], prompts: Iterable[int], context: int, T: int, bucketed: bool
 ) -> tuple[int, int]:
     """(first column, response columns) a micro-batch of `prompts` (indices into `spans`, ModelInput.spans) keeps:
     the prompt columns its longest prompt reaches and the response columns its longest response reaches; `bucketed`

@@ -294,12 +294,15 @@ def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> lis
     run.model.train()
     stats = []
     for _ in range(c.num_ppo_epochs):
-        order = host_list(torch.randperm(run.sizes.local_batch, generator=run.shuffle))
+        order = torch.randperm(run.sizes.local_batch, generator=run.shuffle)
+        # one gather a tensor an epoch: each micro-batch is then a slice (a view), not a gather of its own
+        shuffled = {k: v[order.to(v.device)] for k, v in groups.items()}
+        spans = [col.spans[i] for i in host_list(order)]
         for m in range(c.num_mini_batches):
             for g in range(G):
-                idx = order[(m * G + g) * P : (m * G + g + 1) * P]
-                first, width = micro_batch_columns(col.spans, idx, context, T, bucketed)
-                mb = trim_padding({k: v[idx] for k, v in groups.items()}, first, width)
+                rows = slice((m * G + g) * P, (m * G + g + 1) * P)
+                first, width = micro_batch_columns(spans, range(rows.start, rows.stop), context, T, bucketed)
+                mb = trim_padding({k: v[rows] for k, v in shuffled.items()}, first, width)
                 stats.append(_micro_step(run, mb))
             state.global_step += 1
     return stats
