@@ -12,30 +12,20 @@ DECODE_TINY = dict(hidden=64, layers=2, heads=2, intermediate=128, vocab=512, ba
 
 
 def _pythia(device, hidden: int, layers: int, heads: int, intermediate: int, vocab: int, prompt: int, new: int, **_):
-    """A random GPT-NeoX in float32 (the learner's master weights) with Pythia's choices, as rlhf.models.tiny builds
-    one: parallel residual, rotary on a quarter of each head, untied embeddings."""
+    """A random GPT-NeoX in float32 (the learner's master weights) with Pythia's choices (rlhf.models.tiny's
+    `pythia_config`, as the pipeline's models): parallel residual, rotary on a quarter of each head, untied
+    embeddings."""
     import torch
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXForCausalLM
 
-    from rlhf.models.tiny import PYTHIA_ROTARY_PCT
+    from rlhf.models.tiny import pythia_config
 
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": PYTHIA_ROTARY_PCT}
-    cfg = GPTNeoXConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=intermediate,
-        max_position_embeddings=max(2048, prompt + new),
-        use_parallel_residual=True,
-        rope_parameters=rope,
-        tie_word_embeddings=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bos_token_id=0,
-        eos_token_id=vocab - 1,
-        pad_token_id=1,
+    sizes = dict(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=intermediate
     )
+    positions = max(2048, prompt + new)
+    ids = dict(bos_token_id=0, eos_token_id=vocab - 1, pad_token_id=1)
+    cfg = pythia_config(vocab_size=vocab, max_position_embeddings=positions, **sizes, **ids)
     torch.manual_seed(0)
     with torch.device(device):
         return GPTNeoXForCausalLM(cfg).eval()

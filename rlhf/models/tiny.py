@@ -92,22 +92,27 @@ def build_tiny_model(model_cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast,
         config = LlamaConfig(num_key_value_heads=model_cfg.num_heads, tie_word_embeddings=True, **common)
         cls = LlamaForCausalLM
     elif model_cfg.architecture == "gpt_neox":
-        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": PYTHIA_ROTARY_PCT}
-        config = GPTNeoXConfig(
-            hidden_dropout=0.0,
-            classifier_dropout=0.0,
-            use_parallel_residual=True,
-            rope_parameters=rope,
-            tie_word_embeddings=False,
-            **common,
-        )
-        cls = GPTNeoXForCausalLM
+        config, cls = pythia_config(**common), GPTNeoXForCausalLM
     else:  # the config's Literal makes this unreachable; keep the error explicit for hand-built configs
         raise ValueError(f"model.architecture: unknown tiny architecture {model_cfg.architecture!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
     return model.to(torch.float32).eval()
+
+
+def pythia_config(**dims) -> GPTNeoXConfig:
+    """A GPT-NeoX config with Pythia's choices where they differ from Llama: untied embed_in / embed_out, parallel
+    residual, rotary on a quarter of each head, every dropout 0; `dims`: sizes, vocabulary and token ids."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": PYTHIA_ROTARY_PCT}
+    return GPTNeoXConfig(
+        hidden_dropout=0.0,
+        classifier_dropout=0.0,
+        use_parallel_residual=True,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        **{"attention_dropout": 0.0, **dims},
+    )
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -111,6 +111,7 @@ class Clock:
         self._first = self._record() if self._cuda else None
         self.start = self.last = time.perf_counter()
         self._host: dict[str, float] = {}
+        self._device: dict[str, float] | None = None  # the device's phases, once read
 
     @staticmethod
     def _record() -> torch.cuda.Event:
@@ -129,11 +130,12 @@ class Clock:
         """Each phase's seconds: the host's on the CPU, the device's on a GPU (waits for the last mark's event)."""
         if not self._cuda or not self._events:
             return self._host
-        self._events[-1][1].synchronize()
-        out, previous = {}, self._first
-        for name, event in self._events:
-            out[name], previous = previous.elapsed_time(event) / 1000, event
-        return out
+        if self._device is None or len(self._device) != len(self._events):
+            self._events[-1][1].synchronize()
+            self._device, previous = {}, self._first
+            for name, event in self._events:
+                self._device[name], previous = previous.elapsed_time(event) / 1000, event
+        return self._device
 
     def total(self) -> float:
         return sum(self.seconds.values()) if self._cuda else self.last - self.start
@@ -146,7 +148,6 @@ class Collected:
     gen: Generated  # what the engine returned: responses, the weight version, its timing and log-probs
     host: ModelInput  # prompts + responses cut after their first EOS (B*K rows, prompt-major), on the host
     inputs: ModelInput  # the same on the learner's device
-    spans: list[tuple[int, int]]  # per prompt: its tokens and its longest response's (ModelInput.spans)
     texts: list[str]  # the responses, decoded where a reward or the gold reads text (else empty)
     rollout: Rollout  # the scored batch the objective saw, on the learner's device
     groups: dict[str, torch.Tensor]  # the objective's per-prompt tensors (B, K, ...): micro-batches index them
@@ -218,7 +219,7 @@ def collect(run: Run, t: int, clock: Clock) -> Collected:
     )
     groups, stats = run.objective.prepare(rollout)
     clock.mark("reference")
-    return Collected(gen, host, inputs, host.spans(c.k), texts, rollout, groups, stats)
+    return Collected(gen, host, inputs, texts, rollout, groups, stats)
 
 
 def _reads_text(run: Run, gen: Generated) -> bool:
@@ -291,13 +292,15 @@ def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> lis
     P, G = c.per_device_train_batch_size, c.gradient_accumulation_steps
     context, T = col.inputs.context, col.inputs.response_mask.shape[1]
     bucketed = run.acc.device.type == "cuda"  # a few shapes for CUDA graphs and the allocator; exact on the CPU
+    batch_spans = col.host.spans(c.k)  # per prompt, read from the host batch
     run.model.train()
     stats = []
     for _ in range(c.num_ppo_epochs):
         order = torch.randperm(run.sizes.local_batch, generator=run.shuffle)
         # one gather a tensor an epoch: each micro-batch is then a slice (a view), not a gather of its own
-        shuffled = {k: v[order.to(v.device)] for k, v in groups.items()}
-        spans = [col.spans[i] for i in host_list(order)]
+        on_device = order.to(run.acc.device)
+        shuffled = {k: v[on_device] for k, v in groups.items()}
+        spans = [batch_spans[i] for i in host_list(order)]
         for m in range(c.num_mini_batches):
             for g in range(G):
                 rows = slice((m * G + g) * P, (m * G + g + 1) * P)
