@@ -43,23 +43,20 @@ def gae(
         delta_t = r_t + gamma * V_{t+1} - V_t      (V after the last real token is 0: the episode ended)
         A_t     = delta_t + gamma * lam * A_{t+1}
         G_t     = A_t + V_t
-    Call with detached tensors. Shapes: rewards, values (N, T), mask (N, T) bool -> advantages (N, T),
-    returns (N, T); both 0 on padding, and padded rewards/values are never read.
+    Call with detached tensors; masks are prefixes (a response up to its EOS), as every batch's are. Shapes:
+    rewards, values (N, T), mask (N, T) bool -> advantages (N, T), returns (N, T); both 0 on padding, and padded
+    rewards/values are never read.
+    Unrolled, A_t = sum_{s >= t} (gamma * lam)^(s - t) * delta_s: one product with the (T, T) discount matrix, where a
+    loop over T launched ~6 ops a token (318 at the TL;DR task's 53 tokens). Past the last real token every delta
+    is 0, so padding adds nothing to earlier tokens.
     """
     rewards = torch.where(mask, rewards, 0.0)
     values = torch.where(mask, values, 0.0)  # so V_{t+1} = 0 just past the last real token
-    row_len = rewards.size(1)
-    next_value = torch.zeros_like(values[:, 0])
-    next_advantage = torch.zeros_like(values[:, 0])
-    advantages_reversed = []
-    for t in reversed(range(row_len)):
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        advantage = delta + gamma * lam * next_advantage
-        # A padded position contributes nothing and passes nothing back to earlier tokens.
-        advantage = torch.where(mask[:, t], advantage, 0.0)
-        advantages_reversed.append(advantage)
-        next_value, next_advantage = values[:, t], advantage
-    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    deltas = rewards + gamma * torch.nn.functional.pad(values[:, 1:], (0, 1)) - values
+    steps = torch.arange(rewards.size(1), device=rewards.device)
+    lag = steps[:, None] - steps[None, :]  # [s, t] = s - t
+    discount = torch.where(lag >= 0, (gamma * lam) ** lag.clamp(min=0).to(deltas.dtype), 0.0)
+    advantages = torch.where(mask, deltas @ discount, 0.0)
     returns = torch.where(mask, advantages + values, 0.0)
     return advantages, returns
 

@@ -293,7 +293,8 @@ def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> lis
     context, T = col.inputs.context, col.inputs.response_mask.shape[1]
     bucketed = run.acc.device.type == "cuda"  # a few shapes for CUDA graphs and the allocator; exact on the CPU
     batch_spans = col.host.spans(c.k)  # per prompt, read from the host batch
-    run.model.train()
+    if not run.model.training:  # once: the HF engine restores the mode it found (each train() walks ~400 modules)
+        run.model.train()
     stats = []
     for _ in range(c.num_ppo_epochs):
         order = torch.randperm(run.sizes.local_batch, generator=run.shuffle)

@@ -9,6 +9,7 @@ instead (its process even before the trainer's imports, rlhf.trainers.early): it
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -335,13 +336,12 @@ def load_rl_prompts(cfg: Config, tokenizer) -> list[list[int]]:
 
 def batch_prompts(prompts: list[list[int]], t: int, sizes: Sizes, rank: int, seed: int) -> list[list[int]]:
     """This rank's prompts of generated batch t: a pure function of t, so resume needs no dataloader state."""
-    orders: dict[int, list[int]] = {}  # epoch -> its shuffle, drawn once per call (a batch spans <= 2 epochs)
-    out = []
     start = t * sizes.batch + rank * sizes.local_batch
-    for i in range(start, start + sizes.local_batch):
-        epoch, j = divmod(i, len(prompts))
-        if epoch not in orders:
-            order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed + epoch))
-            orders[epoch] = host_list(order)
-        out.append(prompts[orders[epoch][j]])
-    return out
+    places = (divmod(i, len(prompts)) for i in range(start, start + sizes.local_batch))
+    return [prompts[_epoch_order(len(prompts), seed + epoch)[j]] for epoch, j in places]
+
+
+@functools.lru_cache(maxsize=4)  # a batch spans <= 2 epochs; each is drawn once, not twice a batch (submit, check)
+def _epoch_order(n: int, seed: int) -> tuple[int, ...]:
+    """The shuffle of n prompts for the epoch whose seed is `seed`."""
+    return tuple(host_list(torch.randperm(n, generator=torch.Generator().manual_seed(seed))))
