@@ -142,6 +142,11 @@ class Tracker:
     def run_id(self) -> str | None:
         return None if self.run is None else self.run.id
 
+    @property
+    def logs_tables(self) -> bool:
+        """Whether `completions` goes anywhere (W&B on, main process): callers skip decoding text for it if not."""
+        return self.enabled and self.run is not None
+
     def log(self, row: dict) -> None:
         if not self.enabled:
             return
@@ -164,7 +169,7 @@ class Tracker:
         gold: the gold judge's score per completion (None when no judge: the column stays empty).
         Only the first `max_rows` rows go out: a sample to read, not a dataset.
         """
-        if not (self.enabled and self.run is not None):
+        if not self.logs_tables:
             return
         n = len(completions)
         if not (len(prompts) == n == len(rewards) and (gold is None or len(gold) == n)):

@@ -29,6 +29,7 @@ EVAL_KEYS = {
     "kl/policy_sft_std",
     "proxy/policy",
     "proxy/sft",
+    *(f"diversity/{m}_{k}" for m in ("policy", "sft", "reference") for k in ("distinct_1", "distinct_2", "repeated")),
     "n_prompts",
 }
 
@@ -98,6 +99,7 @@ def test_metrics_files_have_their_keys_and_sane_values(repo):
     final = {k: float(v) for k, v in frontier[-1].items()}
     assert final["win_rate_vs_sft"] == ev["gold/win_rate_vs_sft"]
     assert math.isclose(final["kl"], ev["kl/policy_sft_mean"])
+    assert final["distinct_2"] == ev["diversity/policy_distinct_2"] and final["repeated"] == ev["diversity/policy_repeated"]
     assert (repo / "data" / "train" / "frontier" / "episode-0000008" / "model.safetensors").is_file()
 
 

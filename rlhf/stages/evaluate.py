@@ -4,7 +4,9 @@
   (per prompt; ties count one half);
 - KL(policy || SFT) per sequence, estimated on the policy's OWN samples (train.temperature), summed over
   response tokens only (the original's "KL" was a perplexity with prompt tokens in its denominator);
-- the proxy reward of both policies, so proxy-vs-gold divergence (over-optimisation) is visible.
+- the proxy reward of both policies, so proxy-vs-gold divergence (over-optimisation) is visible;
+- diversity across prompts of each model's responses (`diversity`): a policy that writes one text whatever the
+  prompt, or a few stock phrases, shows it here whatever gold says of the text.
 The same for each policy kept through training (train.eval_checkpoints), as the points of the frontier: gold
 win-rate against KL to the SFT policy over the run (the paper's figure), data/plots/frontier.csv.
 Outputs: data/metrics/eval.json, data/plots/eval_gold.csv, data/plots/frontier.csv, data/eval (EvalResults: per
@@ -19,6 +21,8 @@ a win, both right or both wrong as a tie (0.5 + accuracy gain / 2). data/eval th
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +40,25 @@ from rlhf.stages.generate import models, processes
 from rlhf.tracking import log_results
 
 
+_WORD = re.compile(r"\w+(?:'\w+)?")
+
+
 def win_rate(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean((a > b) + 0.5 * (a == b)))
+
+
+def diversity(texts: list[str]) -> dict[str, float]:
+    """How much a set of responses (one per prompt) differs across prompts, on lowercased words:
+    distinct_1 / distinct_2: distinct word unigrams / bigrams over all of them in the set (Li et al. 2016,
+    "distinct-n"; 0 when there are none); repeated: the share of responses whose words another prompt's response
+    has too (the same text whatever the prompt)."""
+    words = [tuple(_WORD.findall(t.lower())) for t in texts]
+    grams = {n: [w[i : i + n] for w in words for i in range(len(w) - n + 1)] for n in (1, 2)}
+    copies = Counter(words)
+    return {
+        **{f"distinct_{n}": len(set(g)) / len(g) if g else 0.0 for n, g in grams.items()},
+        "repeated": sum(c for c in copies.values() if c > 1) / max(len(texts), 1),
+    }
 
 
 @torch.no_grad()
@@ -121,8 +142,9 @@ def _write(cfg: Config, prompts, responses: dict[str, list[str]], proxy, kl, epi
     judge = GoldJudge.load(cfg.path("gold"))
     gold = {name: judge.score(texts) for name, texts in responses.items()}
     gold["reference"] = judge.score(list(prompts["reference"]))
-    metrics = summarise(gold, kl["policy"], proxy)
-    frontier = frontier_table(gold, kl, proxy, episodes)
+    texts = {**responses, "reference": list(prompts["reference"])}
+    metrics = summarise(gold, kl["policy"], proxy, texts)
+    frontier = frontier_table(gold, kl, proxy, episodes, texts)
     results = pd.concat(
         [
             pd.DataFrame(
@@ -159,10 +181,14 @@ def write_outputs(cfg: Config, results: dict[str, pd.DataFrame], metrics: dict, 
 
 
 def frontier_table(
-    gold: dict[str, np.ndarray], kl: dict[str, np.ndarray], proxy: dict[str, np.ndarray], episodes: dict[str, int]
+    gold: dict[str, np.ndarray],
+    kl: dict[str, np.ndarray],
+    proxy: dict[str, np.ndarray],
+    episodes: dict[str, int],
+    texts: dict[str, list[str]],
 ) -> pd.DataFrame:
     """data/plots/frontier.csv: a row per policy along the run, by episode (the SFT policy at 0, the final policy
-    last): gold win-rates, KL to the SFT policy, mean gold and proxy scores."""
+    last): gold win-rates, KL to the SFT policy, mean gold and proxy scores, its responses' `diversity`."""
     total = max(episodes.values())
     rows = [
         {
@@ -173,15 +199,19 @@ def frontier_table(
             "win_rate_vs_reference": win_rate(gold[name], gold["reference"]),
             "gold": float(gold[name].mean()),
             "proxy": float(proxy[name].mean()),
+            **diversity(texts[name]),
         }
         for name, episode in sorted(episodes.items(), key=lambda item: item[1])
     ]
     return pd.DataFrame(rows)
 
 
-def summarise(gold: dict[str, np.ndarray], kl: np.ndarray, proxy: dict[str, np.ndarray]) -> dict:
+def summarise(
+    gold: dict[str, np.ndarray], kl: np.ndarray, proxy: dict[str, np.ndarray], texts: dict[str, list[str]]
+) -> dict:
     """data/metrics/eval.json from per-prompt gold scores (policy, sft, reference), the policy's KL to the SFT
-    policy and the proxy reward of both policies' samples."""
+    policy, the proxy reward of both policies' samples and the texts of policy, sft and reference (`diversity`)."""
+    spread = {f"diversity/{m}_{k}": v for m in ("policy", "sft", "reference") for k, v in diversity(texts[m]).items()}
     return {
         "gold/win_rate_vs_sft": win_rate(gold["policy"], gold["sft"]),
         "gold/win_rate_vs_reference": win_rate(gold["policy"], gold["reference"]),
@@ -193,6 +223,7 @@ def summarise(gold: dict[str, np.ndarray], kl: np.ndarray, proxy: dict[str, np.n
         "kl/policy_sft_std": float(kl.std()),
         "proxy/policy": float(proxy["policy"].mean()),
         "proxy/sft": float(proxy["sft"].mean()),
+        **spread,
         "n_prompts": len(kl),
     }
 

@@ -351,9 +351,10 @@ def log(run: Run, tracker: Tracker, state, t: int, col: Collected, back: Readbac
     row.update(_timings(run, state, col.gen, clock))
     if t % run.cfg.tracking.log_every == 0 or t == run.sizes.num_batches - 1:
         tracker.log(row)
-        tok, k = run.tokenizer, run.cfg.train.k
-        prompts = [p for p in tok.batch_decode(col.host.prompt_ids, skip_special_tokens=True) for _ in range(k)]
-        tracker.completions(state.episode, prompts, col.texts or col.host.texts(tok), back.scores, back.gold)
+        if tracker.logs_tables:  # the text is decoded for the completions table only
+            tok, k = run.tokenizer, run.cfg.train.k
+            prompts = [p for p in tok.batch_decode(col.host.prompt_ids, skip_special_tokens=True) for _ in range(k)]
+            tracker.completions(state.episode, prompts, col.texts or col.host.texts(tok), back.scores, back.gold)
     return row
 
 
