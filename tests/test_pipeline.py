@@ -99,7 +99,8 @@ def test_metrics_files_have_their_keys_and_sane_values(repo):
     final = {k: float(v) for k, v in frontier[-1].items()}
     assert final["win_rate_vs_sft"] == ev["gold/win_rate_vs_sft"]
     assert math.isclose(final["kl"], ev["kl/policy_sft_mean"])
-    assert final["distinct_2"] == ev["diversity/policy_distinct_2"] and final["repeated"] == ev["diversity/policy_repeated"]
+    for name in ("distinct_1", "distinct_2", "repeated"):
+        assert final[name] == ev[f"diversity/policy_{name}"], name
     assert (repo / "data" / "train" / "frontier" / "episode-0000008" / "model.safetensors").is_file()
 
 

@@ -39,7 +39,6 @@ from rlhf.rewards.proxy import ProxyReward
 from rlhf.stages.generate import models, processes
 from rlhf.tracking import log_results
 
-
 _WORD = re.compile(r"\w+(?:'\w+)?")
 
 

@@ -64,7 +64,7 @@ HEADLINES: dict[str, dict[str, tuple[str, str, str]]] = {
         "kl/policy_sft_mean": ("KL to SFT", "nats/sequence", "how far the policy moved from SFT: the price paid"),
         "proxy/policy": ("proxy reward, policy", "RM score", "the learned reward model's score: what was optimised"),
         "proxy/sft": ("proxy reward, SFT", "RM score", "the same for the SFT policy"),
-        "diversity/policy_distinct_2": ("distinct bigrams, policy", "share", "word bigrams not repeated across prompts"),
+        "diversity/policy_distinct_2": ("distinct bigrams, policy", "share", "bigrams not repeated across prompts"),
         "diversity/sft_distinct_2": ("distinct bigrams, SFT", "share", "the same for the SFT policy"),
         "diversity/policy_repeated": ("repeated responses, policy", "share", "the same text for several prompts"),
         "n_prompts": ("eval prompts", "prompts", "held-out prompts the numbers above are over"),
