@@ -156,13 +156,13 @@ class GoldJudge:
         model.fit(features, labels)
         held = np.zeros(len(texts), dtype=bool)
         held[np.random.default_rng(0).permutation(len(texts))[::CALIBRATION_EVERY]] = True
-        seen = [t for t, h in zip(texts, held) if not h]
+        seen, unseen = [t for t, h in zip(texts, held) if not h], [t for t, h in zip(texts, held) if h]
         lm = TrigramLM.fit(seen)
-        calibration = calibration_texts([t for t, h in zip(texts, held) if h], window, cfg.min_words)
+        calibration = calibration_texts(unseen, window, cfg.min_words)
         gains = lm.gain(calibration)[0] if calibration else np.zeros(1)
         threshold = max(float(np.quantile(gains, cfg.fluency_quantile)), 0.0)
-        held_out = [t for t, h in zip(texts, held) if h], labels[held]
-        polar = polar_words(vectorizer, model.coef_[0], POLAR_WORDS)
+        polar = polar_words(vectorizer, model.coef_[0], POLAR_WORDS)  # kept out of the topics: no sentiment there
+        held_out = (unseen, labels[held])
         relevance = Relevance.fit(lm, seen, held_out, window, polar, cfg.relevance_quantile, cfg.min_words, cfg.min_df)
         return cls(
             vectorizer,
