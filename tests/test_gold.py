@@ -283,6 +283,8 @@ def test_gold_stage_on_prepared_fixture(tmp_path):
     prompts, responses = [" ".join(words[i][:8]) for i in cut], [" ".join(words[i][8:32]) for i in cut]
     cut_correct = (loaded.score(prompts, responses) > 0.5) == labels[cut]
     assert metrics["at_response_length"]["accuracy"] == (cut_correct.mean() if cut else None)
+    cut_classifier = (loaded.probability(responses) > 0.5) == labels[cut]
+    assert metrics["at_response_length"]["classifier_accuracy"] == (cut_classifier.mean() if cut else None)
     assert metrics["ignores_prompt"]["n_prompts"] == len(cut)
 
 
