@@ -48,6 +48,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
+from threadpoolctl import threadpool_limits
 
 from rlhf.config import GoldConfig
 from rlhf.data.schemas import DataError
@@ -153,7 +154,8 @@ class GoldJudge:
         model = LogisticRegression(
             C=cfg.c, max_iter=2000, solver="liblinear", random_state=0
         )  # fixed: same data -> same bytes
-        model.fit(features, labels)
+        with threadpool_limits(limits=1, user_api="blas"):  # liblinear's sums differ in the last bits with the cores
+            model.fit(features, labels)
         held = np.zeros(len(texts), dtype=bool)
         held[np.random.default_rng(0).permutation(len(texts))[::CALIBRATION_EVERY]] = True
         seen, unseen = [t for t, h in zip(texts, held) if not h], [t for t, h in zip(texts, held) if h]

@@ -30,6 +30,7 @@ import numpy as np
 from sklearn.decomposition import TruncatedSVD
 from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS, TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
+from threadpoolctl import threadpool_limits
 
 from rlhf.rewards.fluency import BOS, UNK, TrigramLM
 
@@ -163,15 +164,17 @@ class Relevance:
         min_df: int,
     ) -> Relevance:
         """lm and the topics learn from `topic_texts`; the logistic model and its threshold from the pairs of the
-        `held` (texts, labels) neither saw (`training_pairs`)."""
-        topics = TopicSpace.fit(topic_texts, left_out, min_df)
-        prompts, responses, real = training_pairs(*held, window, min_words)
-        if real.sum() < MIN_PAIRS or real.min() == 1:
-            return cls(topics, np.zeros(len(FEATURES)), 0.0, 0.0)
-        features = cls.features_of(lm, topics, prompts, responses)
-        model = LogisticRegression(C=1.0, class_weight="balanced", max_iter=1000).fit(features, real)
-        coef, intercept = model.coef_[0].astype(np.float64), float(model.intercept_[0])
-        threshold = float(np.quantile(features[real == 1] @ coef + intercept, quantile))
+        `held` (texts, labels) neither saw (`training_pairs`). One BLAS thread: a multi-threaded BLAS sums in another
+        order, and the saved judge would differ in its last bits with the machine's cores."""
+        with threadpool_limits(limits=1, user_api="blas"):
+            topics = TopicSpace.fit(topic_texts, left_out, min_df)
+            prompts, responses, real = training_pairs(*held, window, min_words)
+            if real.sum() < MIN_PAIRS or real.min() == 1:
+                return cls(topics, np.zeros(len(FEATURES)), 0.0, 0.0)
+            features = cls.features_of(lm, topics, prompts, responses)
+            model = LogisticRegression(C=1.0, class_weight="balanced", max_iter=1000).fit(features, real)
+            coef, intercept = model.coef_[0].astype(np.float64), float(model.intercept_[0])
+            threshold = float(np.quantile(features[real == 1] @ coef + intercept, quantile))
         return cls(topics, coef, intercept, threshold)
 
     @staticmethod
