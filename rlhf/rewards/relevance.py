@@ -16,6 +16,9 @@ real pairs, so agreement is no evidence the model could learn. Its logit z is ca
 relevance = exp(min(0, z - threshold)), threshold the `relevance_quantile` of real continuations' z; below it the
 factor is the odds of being the real continuation relative to the threshold's (never exactly 0).
 An empty prompt has nothing to be relevant to: relevance 1 (a whole review judged alone).
+Measured (tiny profile, gold_test prompts; ROC AUC of real continuations against each kind of response that ignores
+the prompt: another review's continuation, a lifted sentence, generic praise, off-topic text): seam_first alone
+0.86-0.87, the topic alone 0.57-0.71, the model 0.88, 0.90, 0.95, 0.88.
 
 Shapes: B pairs (prompt, response); V topic words; K topic dimensions; F = len(FEATURES).
 """
@@ -35,11 +38,12 @@ from threadpoolctl import threadpool_limits
 from rlhf.rewards.fluency import BOS, UNK, TrigramLM
 
 FEATURES = ("seam_first", "seam_second", "fresh_first", "fresh_second", "topic")
-TOPIC_DIMENSIONS = 64  # 50-200 separate real from mismatched pairs alike (AUC ~0.66 alone); 64 keeps the file small
+TOPIC_DIMENSIONS = 64  # 50, 100, 200 separated real from mismatched pairs alike (AUC ~0.66); 64 keeps the file small
 TOPIC_WORDS = 20000  # the most frequent content words; the components are (TOPIC_WORDS, K) float32, ~5 MB
 POLAR_WORDS = 1000  # left out of the topic vocabulary: "great", "waste", "7", ... would let topic mean sentiment
 MIN_PAIRS = 20  # fewer held-out real continuations to fit on: relevance is not judged (a factor of 1)
-# Fixed settings (not tuned per run), saved with the judge. Letters only: numbers are ratings or years, not topics.
+# Fixed settings (not tuned per run; changing them needs a new gold FORMAT_VERSION). Letters only: numbers are ratings
+# or years, not topics.
 _TOPIC_VECTORIZER = {
     "lowercase": True,
     "token_pattern": r"(?u)\b[a-z][a-z']+\b",
