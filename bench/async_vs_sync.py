@@ -75,7 +75,7 @@ def eval_gold(cfg) -> float:
     with stage_engine(cfg.eval.engine, folder, tokenizer, prompts, length, device, cfg.seed) as engine:
         policy = load_causal_lm(folder).to(device) if engine is None else None
         texts = [t for s in sample(policy, tokenizer, prompts, params, 64, device, engine=engine) for t in s.texts]
-    return float(GoldJudge.load(cfg.path("gold")).score(texts).mean())
+    return float(GoldJudge.load(cfg.path("gold")).score(prompts, texts).mean())  # k=1: one response a prompt
 
 
 def main() -> None:

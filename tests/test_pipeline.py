@@ -129,9 +129,11 @@ def test_the_metrics_are_what_the_saved_samples_and_scores_give(repo):
     assert ev["proxy/policy"] == pytest.approx(policy["proxy"].mean())
     generations = load_split(repo / "data" / "generations", "eval", Generations)
     judge = GoldJudge.load(repo / "data" / "gold")
+    openings = load_split(repo / "data" / "prepared", "eval_prompts").set_index("prompt_id")["prompt"]
     for model, scored in by.items():
         texts = generations[generations["model"] == model].set_index("prompt_id").loc[scored["prompt_id"], "response"]
-        assert judge.score(list(texts)) == pytest.approx(scored["gold"].to_numpy(), abs=1e-6), model
+        prompts = list(openings.loc[scored["prompt_id"]])  # each response is judged as its prompt's continuation
+        assert judge.score(prompts, list(texts)) == pytest.approx(scored["gold"].to_numpy(), abs=1e-6), model
     frontier = pd.read_csv(repo / "data" / "plots" / "frontier.csv").set_index("episode")
     kept = by["policy@8"]
     assert frontier.loc[8, "gold"] == pytest.approx(kept["gold"].mean())

@@ -73,6 +73,13 @@ class GoldConfig(_Section):
         0.1, gt=0, lt=1, description="fluency factor is 1 above this quantile of held-out real text's context gain"
     )
     min_words: int = Field(8, ge=1, description="a response of fewer words is scaled by words / min_words")
+    relevance_quantile: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="relevance factor is 1 above this quantile of held-out real continuations' relevance logit "
+        "(how well a response continues its own prompt: rlhf/rewards/relevance.py)",
+    )
 
 
 class ModelConfig(_Section):

@@ -131,16 +131,25 @@ class TrigramLM:
         p = np.maximum(count - d3, 0.0) / total + d3 * types / total * lower
         return np.where(cfound, p, lower)
 
+    def ids(self, text: str) -> list[int]:
+        """The text's token ids (UNK for a token out of the vocabulary)."""
+        return [self.vocabulary.get(t, UNK) for t in tokens(text)]
+
+    def log_probability(self, u: np.ndarray, v: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """(N,) log P(w | u v) of id arrays (N,). u = v = BOS: the start of a text, where the LM keeps no bigram, so
+        w gets the lowest order P1(w); u = BOS alone: w is a text's second token."""
+        return np.log(self._trigram(u, v, w))
+
     def gain(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(mean log-probability gain per token over the token's plain frequency, number of tokens), each (B,).
 
         log P(w | u v) - log P(w): how much the context predicts each token beyond how common it is (SLOR, Lau et
         al. 2017, without its length term). Frequent words alone do not earn it: "of the of a of" gains less than
         nothing although each word is common, because "the of" and "a of" predict "of" worse than its frequency.
-        A response continues a prompt the judge does not see: its first token gains 0, its second is predicted
-        from one word. -inf for a text without tokens.
+        The text is read alone (the seam to a prompt is the relevance factor's, rlhf.rewards.relevance): its first
+        token gains 0, its second is predicted from one word. -inf for a text without tokens.
         """
-        docs = [[self.vocabulary.get(t, UNK) for t in tokens(text)] for text in texts]
+        docs = [self.ids(text) for text in texts]
         lengths = np.array([len(d) for d in docs], dtype=np.int64)
         w = np.fromiter((i for d in docs for i in d), dtype=np.int64, count=int(lengths.sum()))
         position = np.arange(len(w)) - np.repeat(np.cumsum(lengths) - lengths, lengths)

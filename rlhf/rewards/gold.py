@@ -1,6 +1,6 @@
 """The gold judge: the stand-in for the paper's gold reward model on the offline reviews task.
 
-score(text) = P(positive | text) * repetition * fluency * length, each factor in [0, 1]:
+score(prompt, response) = P(positive | response) * repetition * fluency * length * relevance, each in [0, 1]:
 - P(positive): a TF-IDF (word 1..ngram_max grams) + logistic-regression sentiment classifier of the human labels;
 - repetition: 1 unless the text's distinct-word or distinct-bigram ratio falls below what real text shows;
 - fluency: how well a word trigram LM of real reviews (rlhf.rewards.fluency) predicts each token beyond the
@@ -8,22 +8,32 @@ score(text) = P(positive | text) * repetition * fluency * length, each factor in
   continuations, falling exponentially below it: e^-2 = 0.14 at no gain at all (text whose word order
   predicts nothing), ~0.005 for shuffled review words; never exactly 0, so degenerate texts stay ranked (the
   reward stage's pairs and RL keep a direction out of degeneracy instead of ties);
-- length: words / min_words below min_words (a response cut after a few words), else 1.
-Everything is fitted on the gold split's human-written texts, never on anything a policy wrote, so RL can
-over-optimise the proxy while gold tells how good the text really is (the paper's over-optimisation setting).
+- length: words / min_words below min_words (a response cut after a few words), else 1;
+- relevance: whether the response continues its own prompt (rlhf.rewards.relevance): how well the prompt's last
+  words predict the response's first ones and whether both are about the same things, with no sentiment in the
+  evidence (turning a negative opening positive is the task); 1 at or above the `relevance_quantile` of real
+  continuations, below it their odds of being the real continuation relative to that quantile's. An empty prompt
+  ("") judges the response alone (relevance 1), as the gold stage's accuracy on whole reviews does.
+The first four read the response alone. Everything is fitted on the gold split's human-written texts, never on
+anything a policy wrote, so RL can over-optimise the proxy while gold tells how good the text really is (the
+paper's over-optimisation setting).
 
 Why a policy cannot win it by degenerating: a bag-of-n-grams classifier alone rewards any text free of negative
 words ("great great great", "of the of the of a of its ,": P(positive) 0.6-0.95). Each way of getting there
 without writing text now costs a factor: repeated words or phrases the repetition factor, shuffled words,
 function-word strings and lists of positive words the fluency factor (their context gain is below zero, where
-real 24-word continuations have 0.7+ at their 10th percentile), few words the length factor, no words all.
-What it still can do: write fluent, generic, positive review prose that ignores the prompt (the judge never
-sees the prompt, so relevance is not judged), pick the words real reviews predict best (bland, formulaic text
-scores as fluent as rich text), or repeat at a distance beyond the 32-word windows. The first is arguably
-the task; the others show up as falling diversity, which the gold score does not measure.
+real 24-word continuations have 0.7+ at their 10th percentile), few words the length factor, no words all, and
+text that ignores the prompt the relevance factor: one fixed sentence of generic praise for every prompt scored
+0.98 without it and has a median of ~0.09 with it, off-topic praise and sentences lifted from other positive reviews
+~0.16 and ~0.22, against ~0.42 for real continuations (half of them negative; tests/test_gold.py).
+What it still can do: pick the words real reviews predict best (bland, formulaic text scores as fluent as rich
+text), continue the prompt's last words plausibly and then drift (the seam is two tokens, the topic evidence weak
+for 8-word prompts), or repeat at a distance beyond the 32-word windows; these show up as falling diversity, which
+the gold score does not measure.
 
-Saved without pickle (a pickle can run code on load): `judge.json` holds the settings and both vocabularies,
-`weights.safetensors` the classifier's idf, coef and intercept and the LM's n-gram tables.
+Saved without pickle (a pickle can run code on load): `judge.json` holds the settings and the vocabularies,
+`weights.safetensors` the classifier's idf, coef and intercept, the LM's n-gram tables and the relevance model
+with its topic space.
 """
 
 from __future__ import annotations
@@ -38,13 +48,15 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 from sklearn.feature_extraction.text import TfidfVectorizer
 from sklearn.linear_model import LogisticRegression
+from threadpoolctl import threadpool_limits
 
 from rlhf.config import GoldConfig
 from rlhf.data.schemas import DataError
 from rlhf.io import atomic_dir, write_json
 from rlhf.rewards.fluency import TrigramLM
+from rlhf.rewards.relevance import POLAR_WORDS, Relevance
 
-FORMAT_VERSION = 2  # 2: the fluency and length factors (the LM's vocabulary and n-gram tables)
+FORMAT_VERSION = 3  # 2: the fluency and length factors (the LM's tables); 3: relevance (its model, topic space)
 JUDGE_JSON = "judge.json"
 WEIGHTS = "weights.safetensors"
 # Distinct-word ratio is measured per window of this many words: over a whole 200-word review it falls
@@ -95,6 +107,13 @@ def length_factor(texts: list[str], min_words: int) -> np.ndarray:
     return np.minimum(1.0, np.array([len(_WORD.findall(t)) for t in texts], dtype=np.float64) / min_words)
 
 
+def polar_words(vectorizer: TfidfVectorizer, coef: np.ndarray, n: int) -> set[str]:
+    """The n single words whose sentiment coefficient (coef (V,) over the vectorizer's n-grams) is largest in size."""
+    names = vectorizer.get_feature_names_out()
+    single = np.array([" " not in name for name in names], dtype=bool)
+    return set(names[single][np.argsort(-np.abs(coef[single]), kind="stable")[:n]].tolist())
+
+
 def calibration_texts(texts: list[str], window: tuple[int, int], min_words: int) -> list[str]:
     """Words [start:stop] of each text that has >= start + min_words words: real text cut like a response."""
     start, stop = window
@@ -105,7 +124,8 @@ def calibration_texts(texts: list[str], window: tuple[int, int], min_words: int)
 @dataclass(frozen=True)
 class GoldJudge:
     """Fitted judge. vectorizer: TF-IDF with fixed vocabulary/idf; coef (V,), intercept: the logistic model;
-    lm: the fluency LM; fluency_threshold: the context gain at which fluency reaches 1 (0: fluency not judged)."""
+    lm: the fluency LM; fluency_threshold: the context gain at which fluency reaches 1 (0: fluency not judged);
+    relevance: the prompt-reading factor (it reads the seam with `lm`)."""
 
     vectorizer: TfidfVectorizer
     coef: np.ndarray
@@ -115,13 +135,15 @@ class GoldJudge:
     min_words: int
     lm: TrigramLM
     fluency_threshold: float
+    relevance: Relevance
 
     @classmethod
     def fit(
         cls, texts: list[str], labels: list[int] | np.ndarray, cfg: GoldConfig, window: tuple[int, int] = (8, 32)
     ) -> GoldJudge:
-        """Fit on human labels (1 = positive). texts: N strings; labels: N ints in {0, 1}. The LM learns from all
-        but every CALIBRATION_EVERY-th text; words [window] of those calibrate the fluency factor."""
+        """Fit on human labels (1 = positive). texts: N strings; labels: N ints in {0, 1}. The LM and the topic space
+        learn from all but every CALIBRATION_EVERY-th text; words [window] of those calibrate the fluency factor, and
+        their openings (words [:window[0]]) with their own and other reviews' words fit the relevance factor."""
         labels = np.asarray(labels)
         if len(texts) != len(labels) or len(texts) == 0:
             raise ValueError(f"GoldJudge.fit: {len(texts)} texts and {len(labels)} labels (need equal, > 0)")
@@ -132,13 +154,18 @@ class GoldJudge:
         model = LogisticRegression(
             C=cfg.c, max_iter=2000, solver="liblinear", random_state=0
         )  # fixed: same data -> same bytes
-        model.fit(features, labels)
+        with threadpool_limits(limits=1, user_api="blas"):  # liblinear's sums differ in the last bits with the cores
+            model.fit(features, labels)
         held = np.zeros(len(texts), dtype=bool)
         held[np.random.default_rng(0).permutation(len(texts))[::CALIBRATION_EVERY]] = True
-        lm = TrigramLM.fit([t for t, h in zip(texts, held) if not h])
-        calibration = calibration_texts([t for t, h in zip(texts, held) if h], window, cfg.min_words)
+        seen, unseen = [t for t, h in zip(texts, held) if not h], [t for t, h in zip(texts, held) if h]
+        lm = TrigramLM.fit(seen)
+        calibration = calibration_texts(unseen, window, cfg.min_words)
         gains = lm.gain(calibration)[0] if calibration else np.zeros(1)
         threshold = max(float(np.quantile(gains, cfg.fluency_quantile)), 0.0)
+        polar = polar_words(vectorizer, model.coef_[0], POLAR_WORDS)  # kept out of the topics: no sentiment there
+        held_out = (unseen, labels[held])
+        relevance = Relevance.fit(lm, seen, held_out, window, polar, cfg.relevance_quantile, cfg.min_words, cfg.min_df)
         return cls(
             vectorizer,
             model.coef_[0].astype(np.float64),
@@ -148,6 +175,7 @@ class GoldJudge:
             cfg.min_words,
             lm,
             threshold,
+            relevance,
         )
 
     def probability(self, texts: list[str]) -> np.ndarray:
@@ -164,21 +192,25 @@ class GoldJudge:
         gain, _ = self.lm.gain(texts)
         return np.exp(FLUENCY_FALLOFF * np.minimum(0.0, gain / self.fluency_threshold - 1.0))
 
-    def factors(self, texts: list[str]) -> dict[str, np.ndarray]:
-        """The four (B,) factors whose product is the score, by name."""
+    def factors(self, prompts: list[str], responses: list[str]) -> dict[str, np.ndarray]:
+        """The five (B,) factors whose product is the score, by name: all but relevance read the response alone."""
+        prompts, responses = list(prompts), list(responses)
+        if len(prompts) != len(responses):
+            raise ValueError(f"gold judge: {len(prompts)} prompts and {len(responses)} responses (need one each)")
         return {
-            "probability": self.probability(texts),
-            "repetition": repetition_factor(texts, self.repetition_floor, self.bigram_floor),
-            "fluency": self.fluency(texts),
-            "length": length_factor(texts, self.min_words),
+            "probability": self.probability(responses),
+            "repetition": repetition_factor(responses, self.repetition_floor, self.bigram_floor),
+            "fluency": self.fluency(responses),
+            "length": length_factor(responses, self.min_words),
+            "relevance": self.relevance.factor(self.lm, prompts, responses),
         }
 
-    def score(self, texts: list[str]) -> np.ndarray:
-        """(B,) gold score in [0, 1]: the product of the factors; empty text scores 0."""
-        texts = list(texts)
-        if not texts:
+    def score(self, prompts: list[str], responses: list[str]) -> np.ndarray:
+        """(B,) gold score in [0, 1] of each response to its prompt (the words it continues; "" = none: a text judged
+        alone): the product of the factors; an empty response scores 0."""
+        if len(responses) == 0 and len(prompts) == 0:
             return np.zeros(0, dtype=np.float64)
-        return np.prod(np.stack(list(self.factors(texts).values())), axis=0)
+        return np.prod(np.stack(list(self.factors(prompts, responses).values())), axis=0)
 
     def save(self, folder: Path | str) -> None:
         """Write judge.json (settings, vocabularies) and weights.safetensors (classifier, LM) atomically."""
@@ -193,6 +225,7 @@ class GoldJudge:
             "min_words": self.min_words,
             "fluency_threshold": self.fluency_threshold,
             "fluency_falloff": FLUENCY_FALLOFF,
+            **self.relevance.settings(),
             "vocabulary": vocabulary,
             "lm_vocabulary": sorted(self.lm.vocabulary, key=self.lm.vocabulary.__getitem__),
         }
@@ -201,6 +234,7 @@ class GoldJudge:
             "coef": np.ascontiguousarray(self.coef, dtype=np.float64),
             "intercept": np.array([self.intercept], dtype=np.float64),
             **self.lm.arrays(),
+            **self.relevance.arrays(),
         }
         with atomic_dir(folder) as tmp:
             write_json(tmp / JUDGE_JSON, settings)
@@ -232,6 +266,7 @@ class GoldJudge:
             lm = TrigramLM.from_arrays(settings["lm_vocabulary"], weights)
             floors = float(settings["repetition_floor"]), float(settings["bigram_floor"]), int(settings["min_words"])
             threshold = float(settings["fluency_threshold"])
+            relevance = Relevance.restore(settings, weights)
         except (ValueError, KeyError, TypeError, OSError, SafetensorError) as e:  # JSONDecodeError is a ValueError
             raise DataError(f"gold judge in {folder} is corrupt ({type(e).__name__}: {e}); {hint}") from None
-        return cls(vectorizer, coef, float(intercept[0]), *floors, lm, threshold)
+        return cls(vectorizer, coef, float(intercept[0]), *floors, lm, threshold, relevance)

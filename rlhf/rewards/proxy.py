@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from rlhf.models.batch import ModelInput
+from rlhf.models.batch import ModelInput, host_list
 from rlhf.models.forward import sequence_scores
 
 
@@ -48,19 +48,38 @@ class ProxyReward:
         return torch.cat(scores)
 
 
+def by_prompt(batch: ModelInput, table: dict[tuple[int, ...], str], name: str, kind: str) -> list[str]:
+    """`table`'s value for each row's prompt (B*K rows, prompt-major), found by the prompt's real token ids (from the
+    attention mask); a ValueError naming the reward and the kind of prompt it knows when one is not among its keys."""
+    k = batch.sequences.shape[0] // len(batch.prompt_ids)
+    ids = batch.prompt_ids.masked_fill(batch.attn[::k, : batch.context] == 0, -1)  # -1: left padding
+    # one read of a device batch (evaluation); the loop's host batch is read without one
+    rows = host_list(ids if ids.device.type == "cpu" else ids.cpu())
+    prompts = [tuple(i for i in row if i >= 0) for row in rows]
+    missing = sum(p not in table for p in prompts)
+    if missing:
+        raise ValueError(f"{name}: {missing} of {len(prompts)} prompts are not {kind}")
+    return [table[p] for p in prompts for _ in range(k)]
+
+
 class GoldReward:
-    """The gold judge as the RL reward (an upper-bound experiment: no proxy to over-optimise)."""
+    """The gold judge as a reward function: RL's reward with train.reward=gold (an upper-bound experiment: no proxy
+    to over-optimise), and the gold of every run's training samples. The judge reads each response as the
+    continuation of its prompt, whose text (as the prepared data has it, not as the tokenizer decodes it) is looked
+    up by its token ids."""
 
     needs_texts = True
 
-    def __init__(self, judge):
-        self.judge = judge
+    def __init__(self, judge, prompts: dict[tuple[int, ...], str]):
+        """prompts: token ids (as the loop encodes them) -> prompt text."""
+        self.judge, self.prompts = judge, prompts
 
     def placed(self, place, device: torch.device) -> GoldReward:
         return self  # scikit-learn on the CPU: texts in, scores out
 
     def __call__(self, batch: ModelInput, texts: list[str]) -> torch.Tensor:
-        return torch.as_tensor(self.judge.score(texts), dtype=torch.float32)
+        prompts = by_prompt(batch, self.prompts, "gold reward", "prompts of the task")
+        return torch.as_tensor(self.judge.score(prompts, texts), dtype=torch.float32)
 
 
 class RuleReward:
@@ -80,22 +99,17 @@ class RuleReward:
     def __call__(self, batch: ModelInput, texts: list[str]) -> torch.Tensor:
         from rlhf.rewards.rule import rule_score
 
-        k = len(texts) // len(batch.prompt_ids)
-        prompt_mask = batch.attn[::k, : batch.context].bool().cpu()
-        prompts = [tuple(row[mask].tolist()) for row, mask in zip(batch.prompt_ids.cpu(), prompt_mask)]
-        missing = sum(p not in self.answers for p in prompts)
-        if missing:
-            raise ValueError(f"rule reward: {missing} of {len(prompts)} prompts are not problems of the math task")
-        answers = [self.answers[p] for p in prompts for _ in range(k)]
+        answers = by_prompt(batch, self.answers, "rule reward", "problems of the math task")
         scores = [rule_score(text, answer, self.format_bonus) for text, answer in zip(texts, answers)]
         return torch.tensor(scores, dtype=torch.float32)
 
 
 @dataclass(frozen=True)
 class RewardSpec:
-    """train.reward as a picklable recipe: "proxy" reads the reward model in `folder`, "gold" the judge in `folder`,
-    "rule" the math problems of the prepared data in `folder` (tokenised with the tokenizer in `tokenizer_folder`
-    and data.chat_template `chat_template`, as the loop does)."""
+    """train.reward as a picklable recipe: "proxy" reads the reward model in `folder`; "gold" the judge in `folder`
+    and the prompts of the prepared data in `prompts_folder`; "rule" the math problems of the prepared data in
+    `folder`. Prompts are tokenised with the tokenizer in `tokenizer_folder` and data.chat_template `chat_template`, as
+    the loop does, so that a batch's prompt ids find their text (gold) or problem (rule)."""
 
     kind: Literal["proxy", "gold", "rule"]
     folder: str
@@ -103,6 +117,8 @@ class RewardSpec:
     chat_template: str = "none"
     format_bonus: float = 0.0
     bf16: bool = False  # the proxy RM computes under bf16 autocast (train.mixed_precision: bf16)
+    prompts_folder: str | None = None  # gold: the prepared data whose prompts the judge reads
+    source: str = "math"  # data.source: the task whose prompt splits are read
 
     @classmethod
     def of(cls, config, format_bonus: float | None = None) -> RewardSpec:
@@ -111,8 +127,16 @@ class RewardSpec:
         if c.reward == "rule":
             bonus = c.format_bonus if format_bonus is None else format_bonus
             return cls("rule", str(config.path("prepared")), str(config.path("sft")), config.data.chat_template, bonus)
-        folder = config.path("gold") if c.reward == "gold" else config.path("reward", "model")
-        return cls(c.reward, str(folder), bf16=c.mixed_precision == "bf16")
+        if c.reward == "gold":
+            return cls.gold(config)
+        return cls("proxy", str(config.path("reward", "model")), bf16=c.mixed_precision == "bf16")
+
+    @classmethod
+    def gold(cls, config) -> RewardSpec:
+        """The gold judge of `config`'s task as a reward function (RL's reward, or the gold of training samples)."""
+        tokenizer, template = str(config.path("sft")), config.data.chat_template
+        prepared, source = str(config.path("prepared")), config.data.source
+        return cls("gold", str(config.path("gold")), tokenizer, template, prompts_folder=prepared, source=source)
 
     def build(self):
         if self.kind == "rule":
@@ -120,25 +144,35 @@ class RewardSpec:
         if self.kind == "gold":
             from rlhf.rewards.gold import GoldJudge
 
-            return GoldReward(GoldJudge.load(Path(self.folder)))
+            prompts: dict[tuple[int, ...], str] = {}
+            for ids, prompt, _ in self._prompts(self.prompts_folder, "prompt"):
+                prompts.setdefault(ids, prompt)  # prompts the tokenizer encodes alike differ in words it lacks only
+            return GoldReward(GoldJudge.load(Path(self.folder)), prompts)
         from rlhf.models.loading import load_reward_model
 
         return ProxyReward(load_reward_model(Path(self.folder)).requires_grad_(False), bf16=self.bf16)
 
     def _answers(self) -> dict[tuple[int, ...], str]:
-        """Every problem's prompt as token ids -> its answer, over the splits the loop and evaluation sample."""
+        """Every problem's prompt as token ids -> its answer."""
+        answers: dict[tuple[int, ...], str] = {}
+        for ids, prompt, answer in self._prompts(self.folder, "answer"):
+            if answers.setdefault(ids, answer) != answer:  # e.g. numbers the vocabulary lacks
+                raise ValueError(
+                    f"rule reward: the tokenizer in {self.tokenizer_folder} encodes problems with other answers "
+                    f"alike, e.g. {prompt!r}; it cannot tell which answer a sample is for"
+                )
+        return answers
+
+    def _prompts(self, folder: str | None, column: str) -> list[tuple[tuple[int, ...], str, str]]:
+        """(token ids, prompt, its `column`) of every prompt of the prepared data in `folder`, over the splits the
+        loop and evaluation sample."""
         from rlhf.data.splits import load_task_split
         from rlhf.models.loading import encode_prompts, load_tokenizer
 
         tokenizer = load_tokenizer(Path(self.tokenizer_folder))
-        answers: dict[tuple[int, ...], str] = {}
+        rows = []
         for split in ("rl_prompts", "eval_prompts"):
-            df = load_task_split(Path(self.folder), split, "math")
+            df = load_task_split(Path(folder), split, self.source)
             ids = encode_prompts(tokenizer, list(df["prompt"]), self.chat_template)
-            for prompt, ids_, answer in zip(df["prompt"], ids, df["answer"]):
-                if answers.setdefault(tuple(ids_), answer) != answer:  # e.g. numbers the vocabulary lacks
-                    raise ValueError(
-                        f"rule reward: the tokenizer in {self.tokenizer_folder} encodes problems with other answers "
-                        f"alike, e.g. {prompt!r}; it cannot tell which answer a sample is for"
-                    )
-        return answers
+            rows += [(tuple(i), prompt, value) for i, prompt, value in zip(ids, df["prompt"], df[column])]
+        return rows

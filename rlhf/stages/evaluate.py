@@ -139,8 +139,9 @@ def _write(cfg: Config, prompts, responses: dict[str, list[str]], proxy, kl, epi
     from rlhf.rewards.gold import GoldJudge
 
     judge = GoldJudge.load(cfg.path("gold"))
-    gold = {name: judge.score(texts) for name, texts in responses.items()}
-    gold["reference"] = judge.score(list(prompts["reference"]))
+    openings = list(prompts["prompt"])  # responses are in prompt order, each the continuation of its prompt
+    gold = {name: judge.score(openings, texts) for name, texts in responses.items()}
+    gold["reference"] = judge.score(openings, list(prompts["reference"]))
     texts = {**responses, "reference": list(prompts["reference"])}
     metrics = summarise(gold, kl["policy"], proxy, texts)
     frontier = frontier_table(gold, kl, proxy, episodes, texts)

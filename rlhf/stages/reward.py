@@ -47,8 +47,10 @@ def sample_pairs(cfg: Config, policy, tokenizer, prompts: list[str], device, chu
 
 
 def label_with_gold(pairs: pd.DataFrame, judge, min_margin: float) -> pd.DataFrame:
-    """The paper's relabelling: chosen = the response gold prefers; near-ties are dropped, not guessed."""
-    ga, gb = judge.score(list(pairs["a"])), judge.score(list(pairs["b"]))
+    """The paper's relabelling: chosen = the response gold prefers (each read as its prompt's continuation); near-ties
+    are dropped, not guessed."""
+    prompts = list(pairs["prompt"])
+    ga, gb = judge.score(prompts, list(pairs["a"])), judge.score(prompts, list(pairs["b"]))
     a_wins = ga >= gb
     out = pd.DataFrame(
         {

@@ -224,9 +224,7 @@ def _setup_reward(cfg: Config, engine_name: str, reward: RewardSpec):
         return reward_fn, RewardSpec.of(cfg, format_bonus=0.0).build()
     if c.reward != "gold" and not cfg.path("gold").exists():
         return reward_fn, None  # no judge: skip importing scikit-learn (~100 MB of RSS)
-    from rlhf.rewards.gold import GoldJudge
-
-    return reward_fn, GoldReward(GoldJudge.load(cfg.path("gold")))
+    return reward_fn, RewardSpec.gold(cfg).build()
 
 
 def _engine_spec(
