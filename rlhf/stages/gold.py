@@ -65,7 +65,13 @@ def run(cfg: Config) -> dict:
         f"gold: held-out accuracy {metrics['accuracy']:.3f} ({by_source_line}) on {len(test)} texts; "
         f"fitted on {len(train)} in {fit_seconds:.1f}s -> {cfg.path('gold')}"
     )
-    print(f"gold: at response length {metrics['at_response_length']}; median scores {metrics['ignores_prompt']}")
+    short, probes = metrics["at_response_length"], metrics["ignores_prompt"]
+    short_line = ", ".join(f"{s} {a:.3f}" for s, a in short["accuracy_by_source"].items())
+    probe_line = ", ".join(f"{name} {p['median']:.3f}" for name, p in probes.items() if isinstance(p, dict))
+    print(
+        f"gold: at response length accuracy {short['accuracy']:.3f} ({short_line}); median score of real "
+        f"continuations {probes['real']:.3f}, of responses that ignore the prompt: {probe_line}"
+    )
     return metrics
 
 
