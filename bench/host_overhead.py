@@ -7,14 +7,16 @@ DPO on a deep, narrow model (Pythia-1B's 16 GPT-NeoX layers at width 64, where t
   (`library_syncs_per_update`; most are torch's CPU AdamW reading its step counters, which a GPU's fused AdamW keeps
   on the device);
 - overhead_share: the share of the loop's wall time not spent inside the models' own work (the forwards of the
-  policy, value model, reference, reward model and gold judge, the backward, the optimizer step with its gradient
-  clipping): Python, the loop's own small ops, reads, copies. On a GPU that is host time in which no model kernel is
-  queued;
+  policy, value model, reference and reward model, the backward, the optimizer step with its gradient clipping):
+  Python, the loop's own small ops, reads, copies. On a GPU that is host time in which no model kernel is queued.
+  The gold judge's scoring (scikit-learn on the host, an instrument rather than training) is left out of both, as
+  the engine's sampling is: a judge that costs more (the one that reads the prompt) must not look like less overhead;
 - ops_per_update: the ATen ops the host dispatches (torch.profiler; each is at least one kernel launch on a GPU);
 - the phases' seconds (rlhf.trainers.loop's Clock), the engine's generation apart.
 
-Everything outside the engine's `receive` counts (steps 3-9 of rlhf.trainers.loop: post-processing, scoring,
-reference, update, weight sync, log); the HF engine's generation is reported apart (issue 56 item 3).
+Everything outside the engine's `receive` and the gold judge counts (steps 3-10 of rlhf.trainers.loop:
+post-processing, scoring, reference, update, read-back, weight sync, log); the HF engine's generation is reported
+apart (issue 56 item 3).
 
     .venv/bin/python -m rlhf.runtime python bench/host_overhead.py --label after
 
@@ -191,8 +193,9 @@ def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
     # gradient clipping is the optimizer's work (DeepSpeed clips inside its step; a GPU does it in a few foreach
     # kernels), not the loop's: on the CPU torch clips parameter by parameter, ~8 ms a PPO update here
     model_time.wrap(loop, "_clip_gradients")
-    if run.gold is not None:  # the gold judge's scoring is a model's forward too, as the reward model's
-        model_time.wrap(run, "gold")
+    judge_time = ModelTime(counter)  # the gold judge: timed apart and left out (module docstring)
+    if run.gold is not None:
+        judge_time.wrap(run, "gold")
     for name in ("step", "zero_grad"):
         model_time.wrap(run.optimizer, name)
     phases: Counter = Counter()
@@ -208,14 +211,14 @@ def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
     with contextlib.closing(run.engine):
         for t in range(args.warmup):
             iteration(t, timed=False)
-        model_time.seconds = 0.0
+        model_time.seconds = judge_time.seconds = 0.0
         timed = range(args.warmup, args.warmup + args.updates)
         with counter.installed():
             start = time.perf_counter()
             for t in timed:
                 iteration(t)
             wall = time.perf_counter() - start
-        learner_s, model_s = wall - engine_s, model_time.seconds
+        learner_s, model_s = wall - engine_s - judge_time.seconds, model_time.seconds
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for t in range(timed.stop, timed.stop + args.profiled):
                 iteration(t, timed=False)
