@@ -37,6 +37,7 @@ def our_config(args, algo: str, data_dir: Path, engine: str = "hf", seed: int | 
         (algo == "online_dpo" and c.k != 2, "train.k must be 2 for online_dpo (TRL's OnlineDPO always samples 2)"),
         (algo == "rloo" and c.kl_estimator != "k1", "train.kl_estimator must be k1 for rloo (TRL's RLOO KL)"),
         (c.tis_cap is not None, "train.tis_cap has no TRL counterpart"),
+        (c.decoupled_cap is not None, "train.decoupled_cap has no TRL counterpart"),
         (c.reward != "proxy", "train.reward must be proxy"),
         (algo == "rloo" and c.k < 2, "train.k must be >= 2"),
     ]

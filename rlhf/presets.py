@@ -35,7 +35,8 @@ PRESETS: dict[str, Preset] = {
 }
 
 # Algorithms that compare the samples of one prompt (k >= 2), and those whose advantages a truncated
-# importance weight can scale (train.tis_cap).
+# importance weight can scale (train.tis_cap) or whose clipped surrogate AReaL's decoupled objective weights per token
+# (train.decoupled_cap).
 GROUP_ALGORITHMS = ("online_dpo", "bok", "rloo", "grpo")
 POLICY_GRADIENT_ALGORITHMS = ("ppo", "rloo", "grpo")
 

@@ -27,30 +27,36 @@ pytestmark = pytest.mark.slow
 RAY2 = ["train.engine_backend=ray", "train.num_engines=2"]  # two engines as Ray actors, each half of every batch
 
 
+TIS = "train.tis_cap=2.0"  # truncated importance sampling per sequence
+DECOUPLED = "train.decoupled_cap=5.0"  # AReaL's decoupled objective: per-token behaviour weights, masked past 5
+
+
 # online_dpo, N = 1, on the engine process and on two Ray engines: test_engine_side_scoring_gives_the_learners_scores.
 # N = 2 on the engine process: tests/test_async_engines.py (the protocol) and rloo-2, ppo-2 here.
 @pytest.mark.parametrize(
-    "trainer, staleness, backend",
-    [("rloo", 1, RAY2), ("rloo", 2, []), ("ppo", 1, []), ("ppo", 2, [])],
-    ids=["rloo-1-ray2", "rloo-2", "ppo-1", "ppo-2"],
+    "trainer, staleness, backend, correction",
+    [("rloo", 1, RAY2, TIS), ("rloo", 2, [], DECOUPLED), ("ppo", 1, [], TIS), ("ppo", 2, [], TIS)],
+    ids=["rloo-1-ray2", "rloo-2-decoupled", "ppo-1", "ppo-2"],
 )
-def test_async_engine_keeps_every_batch_within_max_staleness(ci_data, trainer, staleness, backend):
-    tis = [] if trainer == "online_dpo" else ["train.tis_cap=2.0"]  # truncated IS for the policy-gradient ones
+def test_async_engine_keeps_every_batch_within_max_staleness(ci_data, trainer, staleness, backend, correction):
     cfg = ci_config(
         ci_data,
         f"train.trainer={trainer}",
         "train.engine=vllm_async",
         f"train.max_staleness={staleness}",
         "train.total_episodes=32",
-        *tis,
+        correction,
         *backend,
     )
     train(cfg)
     logged = rows(ci_data)
-    if tis:
+    if correction == TIS:
         assert all(0 < float(r["policy/is_weight"]) <= 2.0 for r in logged)
-    else:
+        assert "policy/behav_weight" not in logged[0]
+    else:  # the engine's log-probs against the learner's, per token: weights within the cap, a share masked
         assert "policy/is_weight" not in logged[0]
+        assert all(0 < float(r["policy/behav_weight"]) <= 5.0 for r in logged)
+        assert all(0 <= float(r["policy/behav_masked"]) < 0.5 and float(r["policy/behav_kl"]) >= 0 for r in logged)
     assert len(logged) == 4
     stale = [float(r["async/staleness"]) for r in logged]
     # batch t is sampled before batch t-N is trained on: staleness min(t, N), never more than N

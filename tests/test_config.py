@@ -62,6 +62,7 @@ def test_overrides_keep_types_and_reach_nested_keys():
         ("train.penalty_reward_value=.nan", "train.penalty_reward_value: Input should be a finite number"),
         ("train.learning_rate=.inf", "train.learning_rate: Input should be a finite number"),
         ("train.tis_cap=-.inf", "train.tis_cap: Input should be a finite number"),
+        ("train.decoupled_cap=1", "train.decoupled_cap: Input should be greater than 1"),
         ("train.engine_device=gpu", "train.engine_device: String should match pattern"),
         ("train.max_staleness=0", "train.max_staleness: 0 with the vllm_async engine (online_dpo_vllm), which samples"),
         ("train.engine_device=cuda:1", "train.engine_device: cuda:1 places a vLLM engine, and ppo samples with HF"),
@@ -73,6 +74,22 @@ def test_bad_values_fail_at_load_time_naming_the_key(override, message):
     engine += ["train.trainer=ppo"] if "ppo samples" in message else []
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(PARAMS, "ci", [override, *engine])
+
+
+@pytest.mark.parametrize("trainer", ["online_dpo", "online_dpo_vllm", "bok"])
+def test_the_decoupled_objective_is_refused_where_no_policy_gradient_surrogate_exists(trainer):
+    with pytest.raises(ConfigError, match="train.decoupled_cap weights policy-gradient surrogates per token") as err:
+        load_config(PARAMS, "ci", [f"train.trainer={trainer}", "train.decoupled_cap=5"])
+    line = str(err.value).splitlines()[-1]  # one line names the setting and why
+    assert "train.decoupled_cap" in line and line.endswith(f"it applies to ppo, rloo, grpo, not {trainer}")
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "rloo", "grpo"])
+def test_the_decoupled_objective_loads_for_the_policy_gradient_ones_but_not_beside_tis(trainer):
+    cfg = load_config(PARAMS, "ci", [f"train.trainer={trainer}", "train.decoupled_cap=5", "train.engine=vllm_async"])
+    assert (cfg.train.decoupled_cap, cfg.train.tis_cap) == (5.0, None)
+    with pytest.raises(ConfigError, match="train.decoupled_cap and train.tis_cap are two corrections .*: set one"):
+        load_config(PARAMS, "ci", [f"train.trainer={trainer}", "train.decoupled_cap=5", "train.tis_cap=2"])
 
 
 def test_unknown_profile_lists_the_valid_ones():

@@ -15,11 +15,13 @@ from rlhf.trainers.loop import train
 
 pytestmark = pytest.mark.slow
 
-# Every HF preset, and RLOO with truncated importance weights (the HF engine returns its sampling log-probs, as
-# the vLLM ones do, so DPO and best-of-k take the engines' log-probs path here too).
+# Every HF preset, RLOO with truncated importance weights and GRPO with AReaL's decoupled objective (the HF engine
+# returns its sampling log-probs, as the vLLM ones do, so DPO and best-of-k take the engines' log-probs path here too,
+# and the behaviour weights are computed from them).
 # With LoRA: the reference is the policy with adapters off, and the engines get merged weights.
 HF = [(name,) for name, p in sorted(PRESETS.items()) if p.engine == "hf"] + [
     ("rloo", "train.tis_cap=2.0"),
+    ("grpo", "train.decoupled_cap=5.0"),
     ("ppo", "train.lora.rank=4"),
 ]
 

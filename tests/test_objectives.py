@@ -4,13 +4,16 @@ separate no-grad forward (step 5 of the loop) they replace."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
+from rlhf.algorithms import rloo
 from rlhf.config import ModelConfig, TrainConfig
 from rlhf.models import tiny
 from rlhf.models.batch import assemble, bucket, micro_batch_columns, trim_padding
-from rlhf.models.forward import response_logprobs
+from rlhf.models.forward import PolicyAndValueWrapper, response_logprobs, response_logprobs_and_values
 from rlhf.trainers.objectives import OBJECTIVES, Rollout, one_step_per_batch
 
 SMALL = ModelConfig(
@@ -85,17 +88,21 @@ def test_one_step_per_batch_uses_the_training_forward_and_changes_no_number(sett
     assert stats_s["objective/kl"] != pytest.approx(0.0, abs=1e-3)  # the reference differs: the KL term counts
 
 
-@pytest.mark.parametrize("trainer", ["rloo", "grpo", "online_dpo", "bok"])
-def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradients(setting, trainer):
-    """The loop trims the columns that are padding in every row of a micro-batch (rlhf.models.batch.trim_padding):
-    fewer tokens through the model, the same loss and gradients."""
-    policy, ref, inputs = setting
-    # responses that all end by column 4 of 8: the last 3 columns are padding everywhere
+def _short_responses():
+    """3 prompts x K responses that all end by column 4 of 8: the last 3 columns are padding everywhere."""
     responses = torch.full((12, 8), 10)
     for row, length in enumerate([3, 5, 2, 4, 1, 5, 3, 2, 4, 4, 5, 1]):
         responses[row, length - 1] = 3  # EOS (the tiny tokenizer's id 3) ends the response there
     prompts = [[5, 6, 7], [8, 9, 10, 4, 5], [6, 7, 8, 9]]
-    short = assemble(prompts, responses, K, 0, 3)
+    return assemble(prompts, responses, K, 0, 3)
+
+
+@pytest.mark.parametrize("trainer", ["rloo", "grpo", "online_dpo", "bok"])
+def test_a_micro_batch_without_its_padding_columns_gives_the_same_loss_and_gradients(setting, trainer):
+    """The loop trims the columns that are padding in every row of a micro-batch (rlhf.models.batch.trim_padding):
+    fewer tokens through the model, the same loss and gradients."""
+    policy, ref, _ = setting
+    short = _short_responses()
     assert short.response_mask.shape[1] == 8 and int(short.response_mask.sum(1).max()) == 5
     with torch.no_grad():
         learner = response_logprobs(policy, short.sequences, short.attn, short.positions, short.context, 0.7)
@@ -136,3 +143,52 @@ def test_micro_batches_take_a_few_bucketed_widths_that_hold_their_longest_rows()
     assert len(widths) <= 3 and all(600 - first >= 120 for first, _ in widths)
     exact = {micro_batch_columns(spans, g, 600, 53, bucketed=False) for g in groups}  # the CPU's: the exact cut
     assert exact == {(597, 20), (480, 40), (510, 5), (480, 40)}
+
+
+@pytest.mark.parametrize("trainer", ["ppo", "rloo", "grpo"])
+def test_the_decoupled_objective_weights_each_token_through_the_micro_batches(setting, trainer):
+    """train.decoupled_cap: the rollout's per-token behaviour weights go into the objective's groups, are cut with a
+    micro-batch's padding columns like every (N, T) tensor, and scale the policy term token by token (the mean stays
+    over the real tokens: weights twice as large, a policy loss twice as large). With weights 1 (the engine sampled
+    with the learner's weights) PPO and GRPO are their plain objectives; RLOO becomes token-level."""
+    policy, ref, _ = setting
+    inputs = _short_responses()  # prompt 0's micro-batch loses 2 prompt and 3 response columns to trim_padding
+    decoupled = TrainConfig(trainer=trainer, k=K, kl_coef=0.0, decoupled_cap=5.0)
+    plain = TrainConfig(trainer=trainer, k=K, kl_coef=0.0, num_ppo_epochs=2)  # the separate behaviour forward too
+    assert not one_step_per_batch(decoupled) and OBJECTIVES[trainer](decoupled).needs_behaviour_logprobs
+    rows = (inputs.sequences, inputs.attn, inputs.positions, inputs.context, 0.7)
+    model, values = policy, None
+    with torch.no_grad():
+        prox = response_logprobs(policy, *rows)
+        if trainer == "ppo":  # a critic: a copy of the reference with a scalar head (what scalar_head reads)
+            critic = copy.deepcopy(ref)
+            critic.score = torch.nn.Linear(SMALL.hidden_size, 1, bias=False)
+            model = PolicyAndValueWrapper(policy, critic)
+            prox, values = response_logprobs_and_values(model, *rows)
+    mask = inputs.response_mask
+    weights = torch.rand(mask.shape, generator=torch.Generator().manual_seed(2)) * 2 * mask
+
+    def policy_loss(cfg, behav_weight, mb=None):
+        rollout = _rollout(policy, ref, inputs, prox)
+        rollout.values, rollout.behav_weight = values, behav_weight
+        groups, _ = OBJECTIVES[trainer](cfg).prepare(rollout)
+        loss, stats = OBJECTIVES[trainer](cfg).loss(model, groups if mb is None else mb(groups))
+        return stats["loss/policy"], groups
+
+    ones, groups = policy_loss(decoupled, mask.float())
+    assert groups["behav_weight"].shape == (3, K, mask.shape[1])
+    twos, _ = policy_loss(decoupled, 2 * mask.float())
+    torch.testing.assert_close(twos, 2 * ones)
+    if trainer == "rloo":  # token-level: the sequence advantage on every token, the ratio per token
+        adv = rloo.rloo_advantages(_rollout(policy, ref, inputs, prox).scores, K)
+        expected, _ = rloo.token_policy_loss(response_logprobs(policy, *rows), prox, adv, mask, 0.2, None)
+        torch.testing.assert_close(ones, expected.detach(), rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(ones, policy_loss(plain, None)[0], rtol=1e-5, atol=1e-6)
+    # prompt 0 alone, its padding columns cut: the weights are cut with them, the loss is the same
+    (prompt, response) = inputs.spans(K)[0]
+    assert (inputs.context - prompt, response) == (2, 5)
+    first = lambda g: {name: x[:1] for name, x in g.items()}  # noqa: E731
+    full, _ = policy_loss(decoupled, weights, first)
+    cut, _ = policy_loss(decoupled, weights, lambda g: trim_padding(first(g), inputs.context - prompt, response))
+    torch.testing.assert_close(cut, full, rtol=1e-5, atol=1e-6)

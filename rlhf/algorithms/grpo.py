@@ -36,6 +36,7 @@ def grpo_loss(
     mask: torch.Tensor,
     cliprange: float,
     kl_coef: float,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level clipped surrogate with each sequence's advantage on all its tokens, plus kl_coef * k3 KL.
 
@@ -43,10 +44,13 @@ def grpo_loss(
     k3_t = exp(ref - logp) - 1 - (ref - logp). Normalised over all real tokens of the batch (TRL's
     token-level "bnpo"/DAPO form) rather than the paper's per-sequence 1/|o_i| mean.
     Stats: clipfrac, approxkl (as `ppo.policy_loss`), kl = masked mean of k3.
+    weights: None, or AReaL's decoupled behaviour weights (N, T) (rlhf.algorithms.decoupled; old_logp is then
+    pi_prox): they weight the clipped surrogate only, as AReaL's loss (whose KL penalty sits in the reward) does;
+    the k3 term stays a plain mean over the real tokens.
     Shapes: logp, old_logp, ref_logp (N, T), advantages (N,), mask (N, T) bool -> scalar loss, stats.
     """
     token_advantages = advantages[:, None].expand_as(logp)
-    pg_loss, pg_stats = policy_loss(logp, old_logp, token_advantages, mask, cliprange)
+    pg_loss, pg_stats = policy_loss(logp, old_logp, token_advantages, mask, cliprange, weights)
     # Zero padded positions before exp() in k3: garbage there must not overflow into the gradient.
     kl = kl_penalty(torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0), "k3")
     kl_mean = masked_mean(kl, mask)

@@ -65,13 +65,21 @@ MAX_LOG_RATIO = 20.0
 
 
 def policy_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Token-level PPO clipped surrogate: masked mean of max(-A * r, -A * clip(r, 1-eps, 1+eps)).
 
     Source: Schulman et al. 2017; original §3.6 step 6 (`L_pg`); TRL/cleanrl `pg_losses`, `pg_losses2`.
     r = exp(logp - old_logp) per token. Stats: clipfrac (fraction of real tokens where the clipped term is
     the max), approxkl = 0.5 * masked_mean((logp - old_logp)^2), ratio = masked mean of r.
+    weights: None, or constant per-token weights (N, T) of the surrogate, the mean still over every real token:
+    AReaL's decoupled objective, with old_logp = pi_prox and weights pi_prox / pi_behav, 0 on the tokens it masks
+    (rlhf.algorithms.decoupled). The stats are of the unweighted terms, as AReaL's.
     Shapes: logp, old_logp, advantages (N, T), mask (N, T) bool -> scalar loss, stats.
     """
     # Zero padded inputs first: garbage (even inf/NaN) there can then reach neither the loss nor its gradient.
@@ -82,7 +90,10 @@ def policy_loss(
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(pg_losses, pg_losses_clipped), mask)
+    surrogate = torch.maximum(pg_losses, pg_losses_clipped)
+    if weights is not None:
+        surrogate = torch.where(mask, weights, 0.0) * surrogate
+    loss = masked_mean(surrogate, mask)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((pg_losses_clipped > pg_losses).to(ratio.dtype), mask),

@@ -1,4 +1,5 @@
-"""REINFORCE Leave-One-Out (RLOO) with the original's sequence-level PPO-style clipping.
+"""REINFORCE Leave-One-Out (RLOO) with the original's sequence-level PPO-style clipping (token-level under AReaL's
+decoupled objective).
 
 Source: Kool et al. 2019 ("Buy 4 REINFORCE samples, get a baseline for free"); Ahmadian et al. 2024
 ("Back to basics"); original `MyRLOOTrainer` (§3.5) = TRL 0.9.4 `RLOOTrainer`.
@@ -38,3 +39,29 @@ def sequence_policy_loss(
     # A sequence is a single "token" of the token-level loss, so reuse it with an all-real (N, 1) mask.
     every_sequence = torch.ones_like(logp_sum, dtype=torch.bool)[:, None]
     return policy_loss(logp_sum[:, None], old_logp_sum[:, None], advantages[:, None], every_sequence, cliprange)
+
+
+def token_policy_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+    weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """RLOO under AReaL's decoupled objective (train.decoupled_cap): a clipped surrogate per TOKEN, its ratio
+    r_t = exp(logp_t - prox_logp_t) against the learner's weights when the update started, each sequence's
+    leave-one-out advantage on all its tokens, times the behaviour weight w_t = pi_prox / pi_behav (0 on the tokens
+    past the cap), mean over the real tokens: `ppo.policy_loss` with `weights`, as GRPO's policy term.
+
+    Source: Fu et al. 2025 (AReaL), decoupled PPO objective; rlhf.algorithms.decoupled. Why per token rather than
+    `sequence_policy_loss`'s one ratio per sequence: the decoupled objective weights, masks and clips single tokens.
+    A sequence's ratio is the product of its tokens' ratios, clipped once: no per-token term is left for a behaviour
+    weight to scale or a mask to remove, and weighting the whole sequence by the product of its tokens' weights is
+    the per-sequence truncated importance sampling (train.tis_cap) this objective replaces.
+    weights None: every token's weight is 1 (the token-level objective without a behaviour correction).
+    Shapes: logp, prox_logp, weights (N, T), advantages (N,), mask (N, T) bool -> scalar loss, stats (as
+    `ppo.policy_loss`: clipfrac, approxkl, ratio per real token).
+    """
+    token_advantages = advantages[:, None].expand_as(logp)
+    return policy_loss(logp, prox_logp, token_advantages, mask, cliprange, weights)

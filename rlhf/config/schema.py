@@ -254,6 +254,15 @@ class TrainConfig(_Section):
         description="truncated importance sampling for stale vLLM batches: weight PPO/RLOO/GRPO advantages by "
         "min(pi/pi_engine, cap) per sequence; null = off",
     )
+    decoupled_cap: float | None = Field(
+        None,
+        gt=1,
+        description="AReaL's decoupled PPO objective for stale batches (PPO, RLOO, GRPO; instead of tis_cap): per "
+        "token, the clipped ratio pi/pi_prox against the learner's weights when the batch's update starts, times the "
+        "behaviour weight pi_prox/pi_engine from the engine's own log-probs; a token whose weight exceeds the cap is "
+        "masked (weight 0, still counted in the mean over real tokens). RLOO's loss becomes token-level. Weights are "
+        "1 where the engine returns no log-probs (it sampled on-policy); null = off",
+    )
     # --- optimisation ---
     mixed_precision: Literal["fp32", "bf16"] = Field(
         "fp32",
@@ -322,6 +331,15 @@ class TrainConfig(_Section):
             raise ValueError(
                 f"train.tis_cap weights policy-gradient advantages: it applies to "
                 f"{', '.join(POLICY_GRADIENT_ALGORITHMS)}, not {self.trainer}"
+            )
+        if self.decoupled_cap is not None and algorithm not in POLICY_GRADIENT_ALGORITHMS:
+            raise ValueError(
+                f"train.decoupled_cap weights policy-gradient surrogates per token: it applies to "
+                f"{', '.join(POLICY_GRADIENT_ALGORITHMS)}, not {self.trainer}"
+            )
+        if self.decoupled_cap is not None and self.tis_cap is not None:
+            raise ValueError(
+                "train.decoupled_cap and train.tis_cap are two corrections of the same stale samples: set one"
             )
         if self.engine_backend == "ray" and engine != "vllm_async":
             raise ValueError(f"train.engine_backend: ray runs vllm_async engines, not {engine} (set train.engine)")

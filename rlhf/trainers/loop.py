@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from rlhf.algorithms import decoupled
 from rlhf.algorithms.common import apply_missing_eos_penalty
 from rlhf.config import Config, config_yaml
 from rlhf.generation.base import Generated
@@ -151,7 +152,7 @@ class Collected:
     texts: list[str]  # the responses, decoded where a reward or the gold reads text (else empty)
     rollout: Rollout  # the scored batch the objective saw, on the learner's device
     groups: dict[str, torch.Tensor]  # the objective's per-prompt tensors (B, K, ...): micro-batches index them
-    stats: dict[str, torch.Tensor]  # the objective's metrics of the batch, on the device
+    stats: dict[str, torch.Tensor]  # the objective's metrics of the batch (and the behaviour weights'), on the device
 
 
 def start(run: Run) -> tuple[checkpoint.LoopState, list[dict]]:
@@ -203,6 +204,7 @@ def collect(run: Run, t: int, clock: Clock) -> Collected:
     clock.mark("scoring")
     # 5. reference log-probs; behaviour log-probs (+ values) from the same forward as training
     logp, ref_logp, values = _logprobs(run, inputs, gen)
+    behav_weight, behav_stats = _behaviour_weights(run, logp, gen, inputs)
     # 6. the objective's view of the batch
     rollout = Rollout(
         sequences=inputs.sequences,
@@ -216,8 +218,10 @@ def collect(run: Run, t: int, clock: Clock) -> Collected:
         context=inputs.context,
         k=c.k,
         is_weight=_importance_weights(run, logp, gen, inputs),
+        behav_weight=behav_weight,
     )
     groups, stats = run.objective.prepare(rollout)
+    stats.update(behav_stats)
     clock.mark("reference")
     return Collected(gen, host, inputs, texts, rollout, groups, stats)
 
@@ -282,6 +286,22 @@ def _importance_weights(run: Run, logp: torch.Tensor, gen: Generated, inputs: Mo
         return None
     engine_logp = gen.logprobs.to(run.acc.device) * inputs.response_mask
     return (logp - engine_logp).sum(1).exp().clamp(max=run.cfg.train.tis_cap)
+
+
+def _behaviour_weights(
+    run: Run, logp: torch.Tensor, gen: Generated, inputs: ModelInput
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """train.decoupled_cap: AReaL's per-token behaviour weights pi_prox / pi_behav (N, T), 0 past the cap, and their
+    policy/behav_* metrics (rlhf.algorithms.decoupled). pi_prox is the learner's log-probs of step 5 (its weights
+    as the batch's update starts), pi_behav the engine's sampling log-probs. An engine that returns none sampled
+    with the learner's own weights: pi_behav = pi_prox, every weight 1."""
+    cap = run.cfg.train.decoupled_cap
+    if cap is None:
+        return None, {}
+    mask = inputs.response_mask
+    behav_logp = logp if gen.logprobs is None else gen.logprobs.to(run.acc.device) * mask
+    weights, stats = decoupled.behaviour_weights(logp, behav_logp, mask, cap)
+    return weights, {f"policy/behav_{name}": value for name, value in stats.items()}
 
 
 def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> list[dict[str, torch.Tensor]]:

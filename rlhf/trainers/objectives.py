@@ -40,12 +40,20 @@ class Rollout:
     context: int  # C
     k: int
     is_weight: torch.Tensor | None = None  # (N,) truncated importance weights of stale samples (train.tis_cap)
+    # (N, T) AReaL's decoupled objective (train.decoupled_cap): per-token behaviour weights pi_prox / pi_behav, `logp`
+    # being pi_prox; 0 on the tokens past the cap and on padding (rlhf.algorithms.decoupled)
+    behav_weight: torch.Tensor | None = None
 
     def weighted(self, advantages: torch.Tensor) -> torch.Tensor:
         """Advantages (N,) or (N, T) times the sequence importance weights, when the run uses them."""
         if self.is_weight is None:
             return advantages
         return advantages * (self.is_weight[:, None] if advantages.dim() == 2 else self.is_weight)
+
+    def decoupled(self) -> dict[str, torch.Tensor]:
+        """The per-token behaviour weights as a `grouped` entry (micro-batches cut them as every (N, T) tensor),
+        when the run uses the decoupled objective; else nothing."""
+        return {} if self.behav_weight is None else {"behav_weight": self.behav_weight}
 
     def grouped(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         """Reshape (N, ...) tensors to (B, K, ...) so micro-batches select whole prompts."""
@@ -72,6 +80,11 @@ def _flat(mb: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
     return [mb[n].flatten(0, 1) for n in names]
 
 
+def _behaviour_weights(mb: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The micro-batch's decoupled behaviour weights (P*K, T) (Rollout.decoupled), or None: unweighted."""
+    return mb["behav_weight"].flatten(0, 1) if "behav_weight" in mb else None
+
+
 def _kl_and_stats(r: Rollout, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token KL to the reference (N, T), 0 on padding, and the sequence-level objective/* stats."""
     return _kl(r.logp, r.ref_logp, r.response_mask, r.scores, cfg)
@@ -94,9 +107,11 @@ def one_step_per_batch(cfg: TrainConfig) -> bool:
     """True when each generated batch gets exactly one optimizer step (E = M = 1) and no importance weights: then
     every micro-batch's forward runs on the weights that were current when the batch was collected, so its
     log-probs, detached, ARE the behaviour log-probs, and the separate no-grad forward of step 5 is redundant
-    (TRL's GRPO does the same when num_iterations is 1). Importance weights (train.tis_cap) need them before the
-    update, so they keep the separate forward."""
-    return cfg.num_ppo_epochs == 1 and cfg.num_mini_batches == 1 and cfg.tis_cap is None
+    (TRL's GRPO does the same when num_iterations is 1). Importance weights (train.tis_cap) and the decoupled
+    objective's behaviour weights (train.decoupled_cap: pi_prox / pi_behav) need them before the update, so they keep
+    the separate forward."""
+    corrected = cfg.tis_cap is not None or cfg.decoupled_cap is not None
+    return cfg.num_ppo_epochs == 1 and cfg.num_mini_batches == 1 and not corrected
 
 
 @dataclass
@@ -113,7 +128,9 @@ class PPO:
             rewards = masked_whiten(rewards, r.response_mask, shift_mean=False)
         advantages, returns = ppo.gae(rewards, r.values, r.response_mask, c.gamma, c.lam)
         advantages = r.weighted(masked_whiten(advantages, r.response_mask))
-        groups = r.grouped(old_logp=r.logp, old_values=r.values, advantages=advantages, returns=returns)
+        groups = r.grouped(
+            old_logp=r.logp, old_values=r.values, advantages=advantages, returns=returns, **r.decoupled()
+        )
         return groups, stats
 
     def loss(self, model, mb):
@@ -122,7 +139,7 @@ class PPO:
         )
         context = seq.shape[1] - mask.shape[1]
         logp, values = response_logprobs_and_values(model, seq, attn, pos, context, self.cfg.temperature)
-        pg_loss, pg_stats = ppo.policy_loss(logp, old_logp, adv, mask, self.cfg.cliprange)
+        pg_loss, pg_stats = ppo.policy_loss(logp, old_logp, adv, mask, self.cfg.cliprange, _behaviour_weights(mb))
         vf_loss, vf_stats = ppo.value_loss(values, old_values, ret, mask, self.cfg.cliprange_value)
         var_ret = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
         explained = 1 - masked_mean((ret - values.detach()) ** 2, mask) / (var_ret + 1e-8)
@@ -142,7 +159,8 @@ class PPO:
 class RLOO:
     """With one optimizer step per batch (one_step_per_batch) the KL-penalised rewards and their leave-one-out
     advantages are computed in `loss`, from the training forward's detached log-probs: a micro-batch holds whole
-    prompts, so each sample's K-1 siblings are there. The same numbers as from a separate forward, one forward less."""
+    prompts, so each sample's K-1 siblings are there. The same numbers as from a separate forward, one forward less.
+    Under the decoupled objective (train.decoupled_cap) the loss is token-level (rloo.token_policy_loss says why)."""
 
     cfg: TrainConfig
     needs_values = False
@@ -157,12 +175,19 @@ class RLOO:
         kl, stats = _kl_and_stats(r, self.cfg)
         rlhf_reward = r.scores - self.cfg.kl_coef * kl.sum(1)
         advantages = r.weighted(rloo.rloo_advantages(rlhf_reward, r.k))
+        if self.cfg.decoupled_cap is not None:  # per-token ratios against pi_prox, per-token behaviour weights
+            return r.grouped(old_logp=r.logp, advantages=advantages, **r.decoupled()), stats
         groups = r.grouped(old_logp_sum=(r.logp * r.response_mask).sum(1), advantages=advantages)
         return groups, stats
 
     def loss(self, model, mb):
         seq, attn, pos, mask = _flat(mb, "sequences", "attn", "positions", "mask")
         logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
+        if self.cfg.decoupled_cap is not None:
+            prox_logp, adv = _flat(mb, "old_logp", "advantages")
+            weights = _behaviour_weights(mb)
+            loss, stats = rloo.token_policy_loss(logp, prox_logp, adv, mask, self.cfg.cliprange, weights)
+            return loss, {**_named("policy", stats), "loss/policy": loss.detach()}
         logp_sum, objective = (logp * mask).sum(1), {}
         if self.needs_behaviour_logprobs:
             old_sum, adv = _flat(mb, "old_logp_sum", "advantages")
@@ -192,7 +217,7 @@ class GRPO:
         if not self.needs_behaviour_logprobs:  # the loss reports objective/* from its own forward
             return r.grouped(ref_logp=r.ref_logp, advantages=advantages, scores=r.scores), {}
         _, stats = _kl_and_stats(r, self.cfg)
-        return r.grouped(old_logp=r.logp, ref_logp=r.ref_logp, advantages=advantages), stats
+        return r.grouped(old_logp=r.logp, ref_logp=r.ref_logp, advantages=advantages, **r.decoupled()), stats
 
     def loss(self, model, mb):
         seq, attn, pos, mask, ref_logp, adv = _flat(
@@ -205,7 +230,9 @@ class GRPO:
         else:
             old_logp = logp.detach()
             _, objective = _kl(old_logp, ref_logp, mask, *_flat(mb, "scores"), self.cfg)
-        loss, stats = grpo.grpo_loss(logp, old_logp, ref_logp, adv, mask, self.cfg.cliprange, self.cfg.kl_coef)
+        loss, stats = grpo.grpo_loss(
+            logp, old_logp, ref_logp, adv, mask, self.cfg.cliprange, self.cfg.kl_coef, _behaviour_weights(mb)
+        )
         return loss, {**_named("policy", stats), "loss/policy": loss.detach(), **objective}
 
 

@@ -91,3 +91,13 @@ def test_grpo_loss_padding_changes_nothing():
         assert_close(loss, outs[0][0])
         assert_close(stats, outs[0][1])
         assert_close(grad, outs[0][2])
+
+
+def test_grpo_behaviour_weights_scale_the_surrogate_not_the_kl_term():
+    logp, ref, adv, mask = _batch()
+    weights = torch.tensor([[2.0, 0.0, 0.0], [0.5, 0.0, 0.0]], dtype=F64)  # token (0, 1) masked by the cap
+    loss, stats = grpo_loss(logp, logp.clone(), ref, adv, mask, cliprange=0.2, kl_coef=0.1, weights=weights)
+    k3 = 0.5 - 1 + math.log(2.0)
+    # Ratio 1: surrogate -(2 * 1 + 0 * 1 + 0.5 * -1) over the 3 real tokens; the k3 term unweighted, as before
+    assert_close(loss, torch.tensor(-(2 * 1 + 0 * 1 + 0.5 * -1) / 3 + 0.1 * k3 / 3, dtype=F64))
+    assert_close(stats["kl"], torch.tensor(k3 / 3, dtype=F64))

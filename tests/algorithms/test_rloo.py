@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf.algorithms.rloo import rloo_advantages, sequence_policy_loss
+from rlhf.algorithms.rloo import rloo_advantages, sequence_policy_loss, token_policy_loss
 
 F64 = torch.float64
 
@@ -52,3 +52,21 @@ def test_sequence_loss_on_policy_is_minus_mean_advantage():
     loss, stats = sequence_policy_loss(s, s.clone(), torch.tensor([1.0, -2.0, 4.0], dtype=F64), cliprange=0.2)
     assert_close(loss, torch.tensor(-(1.0 - 2.0 + 4.0) / 3, dtype=F64))
     assert_close(stats["clipfrac"], torch.tensor(0.0, dtype=F64))
+
+
+def test_the_decoupled_loss_is_token_level_with_each_sequences_advantage_on_its_tokens():
+    # Sequence 0: 2 real tokens, ratios 1.5 and 1 against pi_prox; sequence 1: 1 real token (then padding), ratio 0.5.
+    # A = +1, +2; behaviour weights 0.5, 0 (masked) and 2. Per token max(-A r, -A clip(r, 0.8, 1.2)):
+    #   max(-1.5, -1.2) = -1.2   max(-1, -1) = -1   max(-1.0, -1.6) = -1.0
+    # weighted: 0.5 * -1.2 + 0 * -1 + 2 * -1.0 = -2.6, over the 3 real tokens
+    mask = torch.tensor([[True, True], [True, False]])
+    prox = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], dtype=F64)
+    logp = (prox + torch.tensor([[math.log(1.5), 0.0], [math.log(0.5), 7.0]], dtype=F64)).requires_grad_(True)
+    weights = torch.tensor([[0.5, 0.0], [2.0, 0.0]], dtype=F64)
+    adv = torch.tensor([1.0, 2.0], dtype=F64)
+    loss, stats = token_policy_loss(logp, prox, adv, mask, 0.2, weights)
+    assert_close(loss, torch.tensor(-2.6 / 3, dtype=F64))
+    assert_close(stats["clipfrac"], torch.tensor(1 / 3, dtype=F64))
+    loss.backward()
+    # token (0, 0) clipped, (0, 1) masked, (1, 1) padding: no gradient; (1, 0): -w A r / 3 = -2 * 2 * 0.5 / 3
+    assert_close(logp.grad, torch.tensor([[0.0, 0.0], [-2.0 / 3, 0.0]], dtype=F64))
