@@ -66,6 +66,10 @@ def test_overrides_keep_types_and_reach_nested_keys():
         ("train.engine_device=gpu", "train.engine_device: String should match pattern"),
         ("train.max_staleness=0", "train.max_staleness: 0 with the vllm_async engine (online_dpo_vllm), which samples"),
         ("train.engine_device=cuda:1", "train.engine_device: cuda:1 places a vLLM engine, and ppo samples with HF"),
+        # a seed numpy, torch and scikit-learn all take: numpy's own "expected non-negative integer" named no setting
+        ("seed=-1", "seed: Input should be greater than or equal to 0"),
+        ("train.seed=-5", "train.seed: Input should be greater than or equal to 0"),
+        ("seed=4294967296", "seed: Input should be less than 4294967296"),
     ],
 )
 def test_bad_values_fail_at_load_time_naming_the_key(override, message):

@@ -94,6 +94,38 @@ def test_an_async_run_that_waited_for_its_engine_says_which_setting_fills_the_wa
     assert start_up_hint(TrainConfig(), []) is None
 
 
+@pytest.mark.parametrize("trainer", ["online_dpo", "rloo"])
+def test_a_run_whose_every_update_was_empty_says_so_and_names_the_likely_setting(ci_data, trainer):
+    """At a temperature of ~0 a prompt's k samples are one text: no valid pair (online DPO), all-zero advantages
+    (RLOO). The run still ends (its outputs are valid: the SFT policy again), with one line saying nothing was learned
+    and naming the setting; a run that learned says nothing of the kind."""
+    from conftest import run_cli
+
+    tied = run_cli(
+        "--profile",
+        "ci",
+        "train",
+        f"data_dir={ci_data}",
+        f"train.trainer={trainer}",
+        "train.temperature=1e-9",
+        "train.total_episodes=16",
+        "tracking.wandb_mode=disabled",
+    )
+    assert tied.returncode == 0, tied.stderr[-2000:]
+    lines = [line for line in tied.stderr.splitlines() if "nothing was learned" in line]
+    assert len(lines) == 1 and "train.temperature=1e-09" in lines[0], tied.stderr[-2000:]
+    learned = run_cli(
+        "--profile",
+        "ci",
+        "train",
+        f"data_dir={ci_data}",
+        f"train.trainer={trainer}",
+        "train.total_episodes=16",
+        "tracking.wandb_mode=disabled",
+    )
+    assert learned.returncode == 0 and "nothing was learned" not in learned.stderr
+
+
 def test_the_tracked_rows_file_holds_results_only_and_the_timing_file_the_wall_clock(tmp_path):
     """Tracker.finish: plots/train.csv (in git) without timing/* and eps, so an identical rerun leaves it and
     dvc.lock unchanged; timing/train.csv (a DVC output) with them and the axes; logged_rows joins them back. A

@@ -15,6 +15,8 @@ from rlhf.presets import ENGINES, GROUP_ALGORITHMS, POLICY_GRADIENT_ALGORITHMS, 
 
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # measured: 16 is refused at engine start
 
+SEED_LIMIT = 2**32  # numpy's legacy generator, scikit-learn's random_state and torch all take seeds below it
+
 
 class _Section(BaseModel):
     # strict: "8" is not an int and 2.5 is not an int; an int is still accepted where a float is expected.
@@ -198,6 +200,8 @@ class TrainConfig(_Section):
     num_ppo_epochs: int = Field(1, gt=0, description="E: passes over each generated batch")
     seed: int | None = Field(
         None,
+        ge=0,
+        lt=SEED_LIMIT,
         description="the RL run's own seed (sampling, prompt order, shuffles, LoRA's initialisation); null = the "
         "top-level seed. Seeds of one RL experiment vary this, so the data, SFT and RM stages are not rebuilt",
     )
@@ -397,7 +401,7 @@ class Config(_Section):
     """The resolved configuration of one run."""
 
     profile: str = Field(description="the params.yaml profile these values came from")
-    seed: int = Field(1234, description="one seed for every stage")
+    seed: int = Field(1234, ge=0, lt=SEED_LIMIT, description="one seed for every stage")
     data_dir: str = Field("data", description="root of all stage outputs (DVC outs)")
     data: DataConfig = Field(DataConfig(), description=DataConfig.__doc__)
     gold: GoldConfig = Field(GoldConfig(), description=GoldConfig.__doc__)

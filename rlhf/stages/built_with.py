@@ -67,9 +67,15 @@ def check_inputs(cfg: Config, stage: str) -> None:
         now = settings(cfg, graph[built["stage"]][1])
         changed = sorted(k for k in now.keys() | built["settings"].keys() if now.get(k) != built["settings"].get(k))
         if changed:
-            key = changed[0]
             raise ValueError(
-                f"{cfg.path(folder)} was built with other settings ({key}: {built['settings'].get(key)!r} then, "
-                f"{now.get(key)!r} now; profile {built['profile']} then, {cfg.profile} now; {len(changed)} setting(s) "
-                f"differ): re-run `rlhf {built['stage']}` and the stages after it, or `dvc repro`"
+                f"{cfg.path(folder)} was built with other settings ({_differences(built, now, cfg.profile, changed)}): "
+                f"re-run `rlhf {built['stage']}` and the stages after it, or `dvc repro`"
             )
+
+
+def _differences(built: dict, now: dict, profile: str, changed: list[str], shown: int = 3) -> str:
+    """What differs between a record and the settings now: the profile if it does, the first `shown` settings."""
+    parts = [] if built["profile"] == profile else [f"profile {built['profile']} then, {profile} now"]
+    parts += [f"{k}: {built['settings'].get(k)!r} then, {now.get(k)!r} now" for k in changed[:shown]]
+    more = len(changed) - shown
+    return "; ".join(parts) + (f"; and {more} more setting(s)" if more > 0 else "")

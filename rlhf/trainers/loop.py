@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ from rlhf.trainers.early import EarlyStart
 from rlhf.trainers.objectives import Rollout
 from rlhf.trainers.readback import LOSS, Readback, read_batch
 from rlhf.trainers.setup import Run, setup
-from rlhf.trainers.summary import final_metrics, start_up_hint
+from rlhf.trainers.summary import empty_updates_warning, final_metrics, start_up_hint
 
 ROWS_FILE = "metric_rows.json"  # in each checkpoint: the rows logged so far, so a resume keeps the run's history
 CONFIG_FILE = "config.yaml"  # the resolved configuration, next to the trained policy and in every checkpoint
@@ -72,6 +73,8 @@ def train(cfg: Config, started: EarlyStart | None = None) -> dict:
         final = finish(run, tracker, state)
         if hint := start_up_hint(cfg.train, tracker.rows):
             run.acc.print(hint)
+        if (warning := empty_updates_warning(cfg.train, tracker.rows)) and run.acc.is_main_process:
+            print(f"rlhf train: {warning}", file=sys.stderr)
     # Every rank, on success only (a failed rank's peers may still be in a collective): gloo's worker threads
     # must stop while the interpreter is alive, else a rank can abort at exit (SIGABRT) after a good run.
     run.acc.end_training()

@@ -6,6 +6,7 @@ from rlhf.config import TrainConfig
 from rlhf.tracking import is_wall_clock
 
 HINT_SECONDS = 2.0  # a first wait for the engine worth filling with the learner's own batches
+TIED_TEMPERATURE = 0.05  # sampling colder than this, a prompt's k samples are nearly always one text
 
 
 def final_metrics(rows: list[dict], state) -> dict:
@@ -45,3 +46,18 @@ def start_up_hint(c: TrainConfig, rows: list[dict]) -> str | None:
         f"the learner waited {wait:.1f} s for the engine to start: train.learner_first_batches={value} would have "
         'had it sample its own first batches meanwhile (README.md, "Asynchronous generation")'
     )
+
+
+def empty_updates_warning(c: TrainConfig, rows: list[dict]) -> str | None:
+    """One line when no logged batch's update changed anything (a gradient norm of 0 in each, or no valid pair in
+    any): the run ended, and learned nothing. It names the likely setting: a temperature so low that a prompt's k
+    samples are one text, else the reward, which then scored them alike. None when any batch had a gradient."""
+    norms = [r["policy/grad_norm"] for r in rows if "policy/grad_norm" in r]
+    pairs = [r["objective/valid_pairs"] for r in rows if "objective/valid_pairs" in r]
+    if not ((norms and max(norms) == 0) or (pairs and max(pairs) == 0)):
+        return None
+    if c.temperature < TIED_TEMPERATURE:
+        cause = f"train.temperature={c.temperature:g}: a prompt's {c.k} samples come out as one text"
+    else:
+        cause = f"train.reward={c.reward}: it scored every sample of a prompt alike"
+    return f"warning: every update of the {len(rows)} batches was empty (no gradient): nothing was learned; {cause}"
