@@ -18,7 +18,8 @@ from rlhf.algorithms.common import truncate_after_eos
 
 def pad_right(rows: list[list[int]], length: int, pad_id: int) -> torch.Tensor:
     """Token id lists -> (n, length) long, cut to `length` and right-padded with pad_id (on the CPU: I/O)."""
-    padded = [list(r[:length]) + [pad_id] * (length - len(r[:length])) for r in rows]
+    cut = [list(r[:length]) for r in rows]
+    padded = [r + [pad_id] * (length - len(r)) for r in cut]
     return torch.tensor(padded, dtype=torch.long) if padded else torch.full((0, length), pad_id, dtype=torch.long)
 
 

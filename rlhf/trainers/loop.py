@@ -287,8 +287,7 @@ def _importance_weights(run: Run, logp: torch.Tensor, gen: Generated, inputs: Mo
     sequence importance weight min(pi / pi_engine, cap) (N,), truncated for variance."""
     if run.cfg.train.tis_cap is None or gen.logprobs is None:
         return None
-    engine_logp = gen.logprobs.to(run.acc.device) * inputs.response_mask
-    return (logp - engine_logp).sum(1).exp().clamp(max=run.cfg.train.tis_cap)
+    return (logp - _engine_logprobs(run, gen, inputs)).sum(1).exp().clamp(max=run.cfg.train.tis_cap)
 
 
 def _behaviour_weights(
@@ -301,10 +300,15 @@ def _behaviour_weights(
     cap = run.cfg.train.decoupled_cap
     if cap is None:
         return None, {}
-    mask = inputs.response_mask
-    behav_logp = logp if gen.logprobs is None else gen.logprobs.to(run.acc.device) * mask
-    weights, stats = decoupled.behaviour_weights(logp, behav_logp, mask, cap)
+    behav_logp = logp if gen.logprobs is None else _engine_logprobs(run, gen, inputs)
+    weights, stats = decoupled.behaviour_weights(logp, behav_logp, inputs.response_mask, cap)
     return weights, {f"policy/behav_{name}": value for name, value in stats.items()}
+
+
+def _engine_logprobs(run: Run, gen: Generated, inputs: ModelInput) -> torch.Tensor:
+    """The engine's own sampling log-probs (N, T) on the learner's device, 0 on padding: pi_behav of the
+    off-policy corrections."""
+    return gen.logprobs.to(run.acc.device) * inputs.response_mask
 
 
 def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> list[dict[str, torch.Tensor]]:

@@ -236,10 +236,12 @@ class GRPO:
         return loss, {**_named("policy", stats), "loss/policy": loss.detach(), **objective}
 
 
-def _select(mb: dict[str, torch.Tensor], name: str, index: torch.Tensor) -> torch.Tensor:
-    """Row `index[b]` of group b: (B, K, ...) -> (B, ...)."""
-    t = mb[name]
-    return t[torch.arange(len(t), device=t.device), index]
+def _select(mb: dict[str, torch.Tensor], names: tuple[str, ...], *picks: torch.Tensor) -> list[torch.Tensor]:
+    """Row picks[j][b] of group b, for each pick in turn, of each named tensor: (B, K, ...) -> (len(picks) * B, ...).
+    One index op a tensor (on a GPU one kernel each), not one per pick."""
+    group = torch.arange(len(picks[0]), device=picks[0].device).repeat(len(picks))
+    within = picks[0] if len(picks) == 1 else torch.cat(picks)
+    return [mb[name][group, within] for name in names]
 
 
 @dataclass
@@ -262,12 +264,9 @@ class OnlineDPO:
         return groups, stats
 
     def loss(self, model, mb):
-        # the chosen rows, then the rejected ones: one index op a tensor (on a GPU, one kernel launch each)
-        n = len(mb["valid"])
-        group = torch.arange(n, device=mb["valid"].device).repeat(2)
-        within = torch.cat([mb["chosen"], mb["rejected"]])
         names = ("sequences", "attn", "positions", "mask", "ref_sum")
-        seq, attn, pos, mask, ref = (mb[name][group, within] for name in names)
+        seq, attn, pos, mask, ref = _select(mb, names, mb["chosen"], mb["rejected"])  # chosen rows, then rejected
+        n = len(mb["valid"])
         logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
         sums = (logp * mask).sum(1)
         loss, stats = dpo.dpo_loss(sums[:n], sums[n:], ref[:n], ref[n:], mb["valid"], self.cfg.beta, self.cfg.loss_type)
@@ -300,7 +299,7 @@ class BestOfK:
         return groups, stats
 
     def loss(self, model, mb):
-        seq, attn, pos, mask = (_select(mb, n, mb["best"]) for n in ("sequences", "attn", "positions", "mask"))
+        seq, attn, pos, mask = _select(mb, ("sequences", "attn", "positions", "mask"), mb["best"])
         logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
         loss, stats = bok.nll_loss(logp, mask, mb["valid"])
         chosen = (logp * mask).sum(1).mean().detach()

@@ -13,6 +13,7 @@ the micro-step, as before, the optimizer step was skipped too; the weights it sp
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +77,8 @@ def _means(step_stats: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     values = torch.stack([v for s in step_stats for v in s.values()]).double()
     index = torch.tensor(where, device=values.device)
     sums = torch.zeros(len(keys), dtype=torch.float64, device=values.device).index_add_(0, index, values)
-    counts = torch.tensor([where.count(i) for i in range(len(keys))], dtype=torch.float64, device=values.device)
+    times = Counter(where)
+    counts = torch.tensor([times[i] for i in range(len(keys))], dtype=torch.float64, device=values.device)
     return dict(zip(keys, sums / counts))
 
 
