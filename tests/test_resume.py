@@ -66,7 +66,8 @@ def rows(data_dir) -> list[dict]:
 
 # sync HF engine; async vLLM engine, N=1, as a Ray actor (the engine process: the two-rank test below; two Ray
 # engines: tests/test_async_engines.py and test_async_training.py); the engine process with the learner sampling the
-# first 2 of the 4 batches while the engine starts (train.learner_first_batches), the engine scoring its own batches.
+# first 2 of the 4 batches while the engine starts (train.learner_first_batches), the engine scoring its own batches;
+# the engine process with in-flight weight updates (each batch takes the next version half-way through its tokens).
 # Resumed runs equal to the uninterrupted one, each in a process of its own: also a determinism test of the engines.
 @pytest.mark.parametrize(
     "trainer, extra, staleness",
@@ -74,8 +75,9 @@ def rows(data_dir) -> list[dict]:
         ("online_dpo", (), [0, 0, 0, 0]),
         ("online_dpo_vllm", ("train.engine_backend=ray", "train.num_engines=1"), [0, 1, 1, 1]),
         ("online_dpo_vllm", ("train.learner_first_batches=2", "train.score_in_engine=always"), [0, 0, 1, 1]),
+        ("online_dpo_vllm", ("train.weight_updates=in_flight",), [0, 1, 1, 1]),
     ],
-    ids=["online_dpo", "online_dpo_vllm-ray1", "online_dpo_vllm-learner-first"],
+    ids=["online_dpo", "online_dpo_vllm-ray1", "online_dpo_vllm-learner-first", "online_dpo_vllm-in-flight"],
 )
 def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_path, trainer, extra, staleness):
     crashed = tmp_path / "crashed"
@@ -88,12 +90,18 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
     assert "leaked semaphore" not in printed and "Failed to load weights" not in printed, printed[-3000:]
     logged = rows(ci_data)  # N = 1: every batch within the bound; none stale that the learner sampled itself
     assert [float(r["async/staleness"]) for r in logged] == staleness
-    # the Ray engine's start (~30 s) idled the learner: the run ends naming the setting that fills such a wait
-    assert ("train.learner_first_batches=" in done.stdout) == ("train.engine_backend=ray" in extra), done.stdout
+    # the Ray engine's start (~30 s) idled the learner: the run ends naming the setting that fills such a wait (the
+    # engine process's few seconds may too, on a busy machine: not checked); none for a learner that sampled itself
+    hint = "train.learner_first_batches=" in done.stdout
+    if "train.engine_backend=ray" in extra or not extra or "train.learner_first_batches=2" in extra:
+        assert hint == ("train.engine_backend=ray" in extra), done.stdout
     if "train.learner_first_batches=2" in extra:  # the engine's first weights: version 1, what batch 2 needs
         assert [float(r["async/weight_version"]) for r in logged] == [0, 1, 1, 2]
         assert [float(r["timing/wait"]) for r in logged[:2]] == [0, 0]  # the learner sampled: no wait
         assert [float(r["timing/scoring_engine"] or 0) > 0 for r in logged] == [False, False, True, True]
+    if "train.weight_updates=in_flight" in extra:  # batches 1-3 take the next version half-way: fresher tokens
+        assert all(0 < float(r["async/token_staleness_mean"]) < 1 for r in logged[1:]), logged
+        assert [float(r["async/token_staleness_max"]) for r in logged] == staleness
     assert not any((ci_data / "checkpoints").iterdir())  # a finished run removes its resume points
 
     if not extra:  # batch 1 trained, only batch 0's checkpoint saved (the async runs skip this: ~30 s a start)
@@ -137,17 +145,21 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_result(ci_data, tmp_p
 
 def test_two_ranks_sharing_the_async_engine_resume_exactly(ci_data, tmp_path):
     """2 training processes (ZeRO-2) with LoRA, one vLLM engine on rank 0 sampling a batch ahead from the merged
-    weights: SIGKILL both ranks after an update, resume from the newest checkpoint (the ranks' states, the adapters
-    only, and the in-flight weights; older ones pruned to train.keep_checkpoints), get the uninterrupted result. The
-    uninterrupted run scores and computes the reference in the engine (the SFT model), the other in the learner
-    (the policy with its adapters off): per rank, the same floats (what score_in_engine: auto relies on)."""
+    weights, taking each next version half-way through a batch (in-flight updates): SIGKILL both ranks after an
+    update, resume from the newest checkpoint (the ranks' states, the adapters only, and the in-flight weights; older
+    ones pruned to train.keep_checkpoints), get the uninterrupted result. The uninterrupted run scores and computes
+    the reference in the engine (the SFT model), the other in the learner (the policy with its adapters off): per
+    rank, the same floats (what score_in_engine: auto relies on)."""
     crashed = tmp_path / "crashed"
     shutil.copytree(ci_data, crashed)
-    lora = ("train.lora.rank=4",)
+    lora = ("train.lora.rank=4", "train.weight_updates=in_flight")
     done = run_stage(ci_data, "online_dpo_vllm", processes=2, extra=(*lora, "train.score_in_engine=always"))
     assert done.returncode == 0, done.stderr[-3000:]
     with open(ci_data / "plots" / "train.csv") as f:
-        assert [float(r["async/staleness"]) for r in csv.DictReader(f)] == [0.0, 1.0, 1.0, 1.0]
+        logged = list(csv.DictReader(f))
+    assert [float(r["async/staleness"]) for r in logged] == [0.0, 1.0, 1.0, 1.0]
+    # each rank's tokens keep their versions: the first half of batches 1-3 one update old, the rest current
+    assert all(0 < float(r["async/token_staleness_mean"]) < 1 for r in logged[1:]), logged
 
     in_learner = (*lora, "train.score_in_engine=never")
     first = run_stage(crashed, "online_dpo_vllm", crash="after_update:3", processes=2, extra=in_learner)  # ckpts 1-3

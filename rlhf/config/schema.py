@@ -219,6 +219,20 @@ class TrainConfig(_Section):
         "engine process starts, instead of waiting for it; the engine samples from batch W on. Worth about the first "
         "batch's timing/wait (the engine's start-up) over the seconds of a synchronous step; 0: off",
     )
+    weight_updates: Literal["between_batches", "in_flight"] = Field(
+        "between_batches",
+        description="vllm_async: when the engine takes a new weight version: between batches (a batch is sampled "
+        "by one version, N updates old), or in_flight: batch b >= N starts with version b-N and takes b-N+1 at "
+        "decode step in_flight_step (waiting there for it), so its later tokens are one update fresher; each token "
+        "keeps its version (async/token_staleness). The swap's step is a setting: the run replays bit for bit",
+    )
+    in_flight_step: int | None = Field(
+        None,
+        ge=0,
+        description="in_flight: the decode step of a batch at which the engine takes the next weight version (0: "
+        "before the first token); null = half of response_length. Near response_length x (learner's seconds per "
+        "batch / engine's) the engine neither waits long for the weights nor keeps the learner waiting",
+    )
     engine_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="vLLM engines' precision; auto = bfloat16 on a GPU, float32 on a CPU (docs/gpu.md has the "
@@ -349,6 +363,13 @@ class TrainConfig(_Section):
             raise ValueError(f"train.engine_backend: ray runs vllm_async engines, not {engine} (set train.engine)")
         if self.num_engines > 1 and self.engine_backend != "ray":
             raise ValueError(f"train.num_engines: {self.num_engines} engines need train.engine_backend: ray")
+        if self.weight_updates == "in_flight" and (engine != "vllm_async" or self.engine_backend != "process"):
+            raise ValueError(
+                "train.weight_updates: in_flight updates the weights of an engine that samples ahead in a process of "
+                f"its own (train.engine vllm_async, engine_backend process), not {engine} on {self.engine_backend}"
+            )
+        if self.in_flight_step is not None and self.weight_updates != "in_flight":
+            raise ValueError("train.in_flight_step applies to in-flight updates: set train.weight_updates=in_flight")
         if engine == "vllm_async" and self.max_staleness < 1:
             raise ValueError(
                 f"train.max_staleness: 0 with the vllm_async engine ({self.trainer}), which samples at least one "

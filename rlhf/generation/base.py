@@ -7,7 +7,7 @@ engine generates ahead of training: 0 = synchronous (every batch sampled with th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -67,6 +67,9 @@ class EngineSpec:
     score: str = "never"  # train.score_in_engine where it applies: never, auto or always
     backend: str = "process"  # an engine in its own process: "process", or Ray actors ("ray")
     num_engines: int = 1  # Ray actors sampling slices of each batch
+    # train.weight_updates in_flight: the decode step of a batch at which the engine takes the next weight version
+    # (rlhf.generation.engine_process.in_flight_swap); None: weights change between batches only
+    in_flight_step: int | None = None
 
     @property
     def device(self) -> str:
@@ -85,13 +88,33 @@ def lookahead(name: str, max_staleness: int) -> int:
 @dataclass
 class Generated:
     responses: torch.Tensor  # (B*K, T) raw sampled tokens, right-padded with pad_token_id to T = max_new_tokens
-    version: int  # weight version that sampled them
+    version: int  # weight version that sampled them (the first token's, under in-flight updates)
     seconds: float  # wall time the engine spent generating this batch
     logprobs: torch.Tensor | None = None  # (B*K, T) the engine's own sampling log-probs, when it has them
     scores: torch.Tensor | None = None  # (B*K,) reward before the missing-EOS penalty, when the engine scored them
     prompts: list[list[int]] | None = None  # the B prompts the engine sampled from, as it saw them (the loop checks)
     ref_logprobs: torch.Tensor | None = None  # (B*K, T) reference log-probs (0 on padding) if the engine computed them
     sampled_here: bool = False  # sampled by the learner's own process inside receive() (HF generate): no wait
+    # (B*K, T) the weight version that sampled each token (vLLM's spans; in-flight updates change it mid-batch);
+    # None: every token is `version`'s
+    token_versions: torch.Tensor | None = None
+
+    ROWS = ("responses", "logprobs", "scores", "ref_logprobs", "token_versions")  # the per-sample (B*K, ...) fields
+
+    def split(self, counts: list[int]) -> list[Generated]:
+        """One Generated per part of the prompts, counts[r] prompts each, in order: part r's rows are the K samples
+        of each of its prompts (rows are prompt-major), every per-sample field cut alike, as copies (not views)."""
+        k = len(self.responses) // sum(counts)
+        rows = [c * k for c in counts]
+        cut = {}
+        for f in self.ROWS:
+            t = getattr(self, f)
+            cut[f] = [None] * len(counts) if t is None else [part.clone() for part in torch.split(t, rows)]
+        starts, prompts = [sum(counts[:r]) for r in range(len(counts))], self.prompts or []
+        return [
+            replace(self, prompts=prompts[s : s + c] or None, **{f: parts[r] for f, parts in cut.items()})
+            for r, (s, c) in enumerate(zip(starts, counts))
+        ]
 
 
 class Engine(Protocol):

@@ -23,7 +23,7 @@ import torch
 
 from rlhf.generation.base import EngineSpec, SamplingParams
 from rlhf.generation.engine_build import build
-from rlhf.generation.vllm import VLLMEngine, import_engine_code
+from rlhf.generation.vllm import Swap, VLLMEngine, import_engine_code
 from rlhf.generation.weights import SharedWeights
 from rlhf.runtime import give_back_cores, keep_off_cores, visible_gpus
 
@@ -75,7 +75,8 @@ class Result(NamedTuple):
     scores: np.ndarray | None  # (B*K,) when the engine scored the batch
     refs: np.ndarray | None  # (B*K, T) reference log-probs, when it computed them
     prompts: list[list[int]]  # as the engine sampled them
-    version: int  # the weight version that sampled the batch
+    version: int  # the weight version that sampled the batch (its first tokens, under in-flight updates)
+    versions: np.ndarray  # (B*K, T) the weight version of each sampled token
     seconds: float  # generating it
     scoring: float  # scoring it and computing its reference log-probs
     idle: float  # waiting for work since the previous Result
@@ -107,7 +108,7 @@ def engine_process_main(device: str, inbox, results, stop) -> None:
             raise ValueError(f"expected the engine's spec first, got {type(first).__name__}")
         engine, scorer = build(first.spec, device)
         outbox.send(Ready(engine.start_seconds))
-        _serve(engine, scorer, inbox, outbox, stop)
+        _serve(engine, scorer, inbox, outbox, stop, first.spec)
     except BaseException:
         outbox.send(Error(traceback.format_exc()))
         outbox.flush(timeout=10)
@@ -176,7 +177,11 @@ class EngineClock:
         return taken
 
 
-def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop) -> None:
+class _Stopped(Exception):
+    """Asked to stop while a batch waited for its in-flight weights."""
+
+
+def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop, spec: EngineSpec) -> None:
     """Handle Weights and Generate messages in order until stopped."""
     clock = EngineClock()
     while True:
@@ -191,15 +196,51 @@ def _serve(engine: VLLMEngine, scorer, inbox, outbox, stop) -> None:
                 del msg, weights  # vLLM holds its own copy now: the trainer may reuse the shared buffers
                 outbox.send(Ack(version))
             case Generate():
-                outbox.send(sample_and_score(engine, scorer, msg, clock))
+                swap = in_flight_swap(spec, msg.batch, lambda: _next_work(inbox, stop), engine, outbox, clock)
+                try:
+                    outbox.send(sample_and_score(engine, scorer, msg, clock, swap=swap))
+                except _Stopped:
+                    return
             case _:
                 raise ValueError(f"unknown message {type(msg).__name__}")
 
 
-def sample_and_score(engine: VLLMEngine, scorer, work: Generate, clock: EngineClock, first: int = 0) -> Result:
+def in_flight_swap(spec: EngineSpec, batch: int, next_message, engine: VLLMEngine, outbox, clock) -> Swap | None:
+    """Batch `batch`'s in-flight weight update (train.weight_updates: in_flight), or None: between batches.
+
+    Batch b >= N starts with version b-N, as between batches, and takes version b-N+1 at decode step
+    spec.in_flight_step. The trainer sends that version right after Generate(b) (it submits batch t+N, trains batch
+    t, then sends version t+1; a resume replays the same order, rlhf.trainers.loop.start), so the next message is
+    always it: the engine waits for it there. Where the swap lands is fixed by the settings, not by when the weights
+    arrive, so a run replays bit for bit. The first N batches have no newer version to take (none is trained yet)."""
+    if spec.in_flight_step is None or batch < spec.max_staleness:
+        return None
+    wanted = batch - spec.max_staleness + 1
+
+    def take() -> float:
+        start = time.perf_counter()
+        clock.free()
+        msg = next_message()
+        clock.busy()  # the wait for the learner's weights is the engine's idle time
+        if msg is None:
+            raise _Stopped
+        if not isinstance(msg, Weights) or msg.version != wanted:
+            got = f"version {msg.version}" if isinstance(msg, Weights) else type(msg).__name__
+            raise RuntimeError(f"batch {batch}: the in-flight update expected weight version {wanted}, got {got}")
+        clock.reload += engine.reload(msg.weights, msg.version, in_flight=True)
+        outbox.send(Ack(msg.version))
+        return time.perf_counter() - start
+
+    return Swap(spec.in_flight_step, take)
+
+
+def sample_and_score(
+    engine: VLLMEngine, scorer, work: Generate, clock: EngineClock, first: int = 0, swap: Swap | None = None
+) -> Result:
     """One batch, sampled and (when work.score) scored, with the engine's idle and reload time since the last one.
-    `first`: the index of work.prompts[0] in the run's batch, when this engine samples a slice of it (Ray engines)."""
-    gen = engine.generate(work.prompts, work.params, work.batch, first)
+    `first`: the index of work.prompts[0] in the run's batch, when this engine samples a slice of it (Ray engines);
+    `swap`: its in-flight weight update (in_flight_swap)."""
+    gen = engine.generate(work.prompts, work.params, work.batch, first, swap)
     scored = time.perf_counter()
     with_scores = scorer is not None and work.score
     scores, refs = scorer(work.prompts, gen.responses, work.params, work.parts) if with_scores else (None, None)
@@ -213,6 +254,7 @@ def sample_and_score(engine: VLLMEngine, scorer, work: Generate, clock: EngineCl
         refs=refs,
         prompts=gen.prompts,
         version=gen.version,
+        versions=gen.token_versions.numpy(),
         seconds=gen.seconds,
         scoring=scoring,
         idle=idle,

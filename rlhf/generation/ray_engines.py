@@ -347,6 +347,7 @@ def _merge(kind: type, key, values: list) -> Ready | Ack | Result:
         refs=cat("refs"),
         prompts=[p for r in values for p in r.prompts],
         version=versions[0],
+        versions=cat("versions"),
         seconds=max(r.seconds for r in values),
         scoring=max(r.scoring for r in values),
         idle=min(r.idle for r in values),

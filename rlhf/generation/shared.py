@@ -13,7 +13,6 @@ Objects travel over torch.distributed (gloo on CPU): prompts and completions are
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,7 +49,7 @@ class SharedEngine:
     def receive(self) -> Generated:
         parts = None
         if self.engine is not None:
-            parts = split_by_rank(self.engine.receive(), self._counts.popleft())
+            parts = self.engine.receive().split(self._counts.popleft())
         mine = [None]
         dist.scatter_object_list(mine, parts, src=0)
         return mine[0]
@@ -75,21 +74,3 @@ class SharedEngine:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-
-
-def split_by_rank(gen: Generated, counts: list[int]) -> list[Generated]:
-    """A batch of sum(counts) prompts x K rows -> one Generated per rank: rank r's rows are the K samples of each of
-    its counts[r] prompts, in order (rows are prompt-major)."""
-    k = len(gen.responses) // sum(counts)
-    rows = [c * k for c in counts]
-    starts = [sum(counts[:r]) for r in range(len(counts))]
-
-    def cut(t: torch.Tensor | None) -> list:
-        return [None] * len(counts) if t is None else [part.clone() for part in torch.split(t, rows)]  # not views
-
-    prompts = gen.prompts or []
-    rows_of = zip(cut(gen.responses), cut(gen.logprobs), cut(gen.scores), cut(gen.ref_logprobs), starts, counts)
-    return [
-        replace(gen, responses=resp, logprobs=logp, scores=score, ref_logprobs=ref, prompts=prompts[s : s + c] or None)
-        for resp, logp, score, ref, s, c in rows_of
-    ]

@@ -38,7 +38,8 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -84,13 +85,17 @@ def vllm_sampling_params(
     ]
 
 
-def outputs_to_tensors(outputs, k: int, length: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM RequestOutputs (one per prompt, K completions each) -> responses (B*K, T) and log-probs (B*K, T).
+def outputs_to_tensors(
+    outputs, k: int, length: int, pad_token_id: int, version: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM RequestOutputs (one per prompt, K completions each) -> responses (B*K, T), log-probs (B*K, T) and the
+    weight version of each token (B*K, T), from vLLM's own spans (CompletionOutput.weight_versions; `version` where
+    it has none).
 
     Rows are prompt-major (the K samples of a prompt adjacent, in sample order); responses are right-padded
-    with pad_token_id and log-probs with 0.
+    with pad_token_id, log-probs with 0 and versions with the row's last version.
     """
-    rows, logps = [], []
+    rows, logps, spans = [], [], []
     for out in outputs:
         completions = sorted(out.outputs, key=lambda c: c.index)
         if len(completions) != k:
@@ -99,11 +104,15 @@ def outputs_to_tensors(outputs, k: int, length: int, pad_token_id: int) -> tuple
             ids = list(c.token_ids)
             rows.append(ids)
             logps.append([step[tok].logprob for step, tok in zip(c.logprobs, ids)])
+            spans.append([(int(s.version), s.start) for s in c.weight_versions or ()] or [(version, 0)])
     logprobs = torch.zeros(len(rows), length, dtype=torch.float32)
-    for i, row in enumerate(logps):
+    versions = torch.empty(len(rows), length, dtype=torch.int32)
+    for i, (row, starts) in enumerate(zip(logps, spans)):
         row = row[:length]
         logprobs[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
-    return pad_right(rows, length, pad_token_id), logprobs
+        for v, start in starts:  # each span runs to the next one's start, the last to the row's end
+            versions[i, start:] = v
+    return pad_right(rows, length, pad_token_id), logprobs, versions
 
 
 @contextlib.contextmanager
@@ -268,6 +277,7 @@ class VLLMEngine:
                 **memory,
             )
         transfer.init(self.llm)
+        self.llm.update_weight_version("0")  # vLLM labels tokens with it ("default" otherwise): the SFT weights
         self.start_seconds = time.perf_counter() - start
 
     # The Engine protocol
@@ -314,29 +324,60 @@ class VLLMEngine:
 
     # Used directly by the async engine's process
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, batch: int, first: int = 0) -> Generated:
-        """Sample K completions for each prompt with the current weights; `batch` picks the seeds, `first` is the
-        index of prompts[0] in the batch (several engines sampling slices of one batch draw its seeds)."""
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, batch: int, first: int = 0, swap: Swap | None = None
+    ) -> Generated:
+        """Sample K completions for each prompt; `batch` picks the seeds, `first` is the index of prompts[0] in the
+        batch (several engines sampling slices of one batch draw its seeds). With the current weights throughout,
+        or, given `swap`, until decode step swap.step, where swap.take() loads the next version (in-flight weight
+        updates: the tokens after it come from the new weights, the KV cache of those before stays as it was).
+
+        vLLM's own loop, stepped here (LLM.enqueue, then LLMEngine.step until no request is left: what LLM.generate
+        does), so the swap lands between two decode steps fixed by the settings, never by when weights arrive."""
         from vllm.inputs import TokensPrompt
 
         if self.llm is None:
             raise RuntimeError("VLLMEngine: generate after close()")
-        start = time.perf_counter()
+        start, swapping = time.perf_counter(), 0.0
         sampling = vllm_sampling_params(params, self.eos_token_id, self.seed, batch, len(prompts), first)
-        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+        engine, outputs, step = self.llm.llm_engine, [], 0
         with _eager_on_cpu(self.device):
-            outputs = self.llm.generate(requests, sampling, use_tqdm=False)
-        responses, logprobs = outputs_to_tensors(outputs, params.k, params.max_new_tokens, self.pad_token_id)
-        seconds, echoed = time.perf_counter() - start, [list(out.prompt_token_ids) for out in outputs]
-        return Generated(responses, self.version, seconds, logprobs, prompts=echoed)
+            while engine.has_unfinished_requests():
+                if swap is not None and step == swap.step:
+                    swapping = swap.take()
+                outputs += [out for out in engine.step() if out.finished]
+                step += 1
+        if swapping:  # prompts cached under the old weights must not be reused by the next batch
+            self.llm.reset_prefix_cache()
+        outputs.sort(key=lambda out: int(out.request_id))
+        T, pad = params.max_new_tokens, self.pad_token_id
+        responses, logprobs, versions = outputs_to_tensors(outputs, params.k, T, pad, self.version)
+        seconds, echoed = time.perf_counter() - start - swapping, [list(out.prompt_token_ids) for out in outputs]
+        first_version = int(versions[:, 0].min()) if len(versions) else self.version
+        return Generated(responses, first_version, seconds, logprobs, prompts=echoed, token_versions=versions)
 
-    def reload(self, weights: Iterable[tuple[str, torch.Tensor]] | SharedWeights, version: int) -> float:
+    def reload(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | SharedWeights, version: int, in_flight: bool = False
+    ) -> float:
         """Copy (name, tensor) pairs or a SharedWeights into the running engine through vLLM's weight-transfer API,
-        tag them `version`; returns the seconds taken."""
+        tag them `version` (vLLM labels each token it samples from now on with it); returns the seconds taken.
+        in_flight: requests are running (generate's swap): the prefix cache, which they hold, is reset after them."""
         if self.llm is None:
             raise RuntimeError("VLLMEngine: reload after close()")
         start = time.perf_counter()
         transfer.sync(self.llm, weights, version)
-        self.llm.reset_prefix_cache()
+        if not in_flight:
+            self.llm.reset_prefix_cache()
         self.version = version
         return time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class Swap:
+    """An in-flight weight update inside one batch: before decode step `step` (0 = the first, the prompts' prefill),
+    `take()` loads the next weight version into the engine (waiting for it if it has not arrived) and returns the
+    seconds it took, which are not the batch's generation time."""
+
+    step: int
+    take: Callable[[], float]

@@ -374,6 +374,8 @@ def log(run: Run, tracker: Tracker, state, t: int, col: Collected, back: Readbac
     train.csv; a few completions to W&B."""
     version = col.gen.version
     host = {"async/staleness": float(t - version), "async/weight_version": float(version)}
+    if run.engine.lookahead:
+        host.update(token_staleness(t, col.gen, col.host.response_mask))
     row = dict(sorted({**back.row, **host, "lr": run.scheduler.get_last_lr()[0]}.items()))
     row.update(_timings(run, state, col.gen, clock))
     if t % run.cfg.tracking.log_every == 0 or t == run.sizes.num_batches - 1:
@@ -383,6 +385,14 @@ def log(run: Run, tracker: Tracker, state, t: int, col: Collected, back: Readbac
             prompts = [p for p in tok.batch_decode(col.host.prompt_ids, skip_special_tokens=True) for _ in range(k)]
             tracker.completions(state.episode, prompts, col.texts or col.host.texts(tok), back.scores, back.gold)
     return row
+
+
+def token_staleness(t: int, gen: Generated, mask: torch.Tensor) -> dict[str, float]:
+    """async/token_staleness_{mean,max}: how many updates old the weights that sampled batch t's response tokens
+    (mask (N, T), on the host) are: one number per batch between batches, less under in-flight updates."""
+    versions = gen.token_versions if gen.token_versions is not None else torch.full(mask.shape, gen.version)
+    stale = host_list(t - versions[:, : mask.shape[1]][mask]) or [t - gen.version]
+    return {"async/token_staleness_mean": sum(stale) / len(stale), "async/token_staleness_max": float(max(stale))}
 
 
 def _timings(run: Run, state, gen: Generated, clock: Clock) -> dict[str, float]:

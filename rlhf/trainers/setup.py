@@ -251,7 +251,16 @@ def _engine_spec(
         score=score,
         backend=c.engine_backend,
         num_engines=c.num_engines,
+        in_flight_step=_in_flight_step(c),
     )
+
+
+def _in_flight_step(c: TrainConfig) -> int | None:
+    """The decode step at which a batch takes the next weight version (train.in_flight_step, default half the
+    response); None between batches."""
+    if c.weight_updates != "in_flight":
+        return None
+    return c.response_length // 2 if c.in_flight_step is None else c.in_flight_step
 
 
 def _start_engine_early(spec: EngineSpec | None, process) -> Engine | None:
