@@ -1,0 +1,109 @@
+"""Does the default SmolLM2 run learn? Issue 57's check, as a new user runs it: a fresh clone of HEAD, the README's
+command (`dvc exp run -S profile=smollm2`, its default trainer), then the same with `-S train.seed=1235` (the data,
+SFT, judge and reward model reused from DVC's run cache), one after the other (two side by side on 2 cores took 7x
+longer an update).
+
+Rule (docs/benchmarks.md, "SmolLM2 learns again"; fixed before its runs): passes if the gold win-rate vs SFT averaged
+over the two RL seeds is >= 0.65 and neither seed is below 0.60.
+
+    .venv/bin/python -m rlhf.runtime python bench/smollm2_learns.py run [--clone DIR]     ~45 min on 2 cores
+    .venv/bin/python -m rlhf.runtime python bench/smollm2_learns.py report [--clone DIR]
+
+`report` reads the clone's experiments (smollm2-seed<S>) and writes bench/metrics/smollm2_learns.json: per seed the
+win-rate vs SFT and vs the reference, KL, gold, proxy, distinct bigrams; the rule's outcome; the clone's commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from common import ROOT, cpu_flags, run_main
+
+SEEDS = (1234, 1235)  # the profile's RL seed (the top-level seed) and the next
+CLONE = ROOT / ".cache" / "bench" / "smollm2-learns"
+OUT = ROOT / "bench" / "metrics" / "smollm2_learns.json"
+KEYS = (
+    "gold/win_rate_vs_sft",
+    "gold/win_rate_vs_reference",
+    "kl/policy_sft_mean",
+    "gold/policy",
+    "proxy/policy",
+    "diversity/policy_distinct_2",
+)
+
+
+def run(clone: Path) -> None:
+    """A fresh clone of HEAD, then one experiment per seed, in order, as the README's command runs them."""
+    if clone.exists():
+        raise SystemExit(f"smollm2_learns.py: {clone} exists; `report` reads it, or remove it to run again")
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    for seed in SEEDS:
+        cmd = ["dvc", "exp", "run", "-n", f"smollm2-seed{seed}", "-S", "profile=smollm2"]
+        cmd += [] if seed == SEEDS[0] else ["-S", f"train.seed={seed}"]
+        subprocess.run(cmd, cwd=clone, check=True)
+
+
+def experiments(clone: Path) -> dict[str, dict]:
+    """name -> eval.json's metrics, of the clone's experiments."""
+    shown = json.loads(
+        subprocess.run(["dvc", "exp", "show", "--json"], cwd=clone, check=True, capture_output=True, text=True).stdout
+    )
+    found = {}
+    for base in shown:
+        for exp in base.get("experiments") or []:
+            for rev in exp["revs"]:
+                metrics = (rev.get("data") or {}).get("metrics", {}).get("data/metrics/eval.json", {}).get("data")
+                if rev.get("name") and metrics:
+                    found[rev["name"]] = metrics
+    return found
+
+
+def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}/"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def report(clone: Path) -> None:
+    exps = experiments(clone)
+    missing = [f"smollm2-seed{s}" for s in SEEDS if f"smollm2-seed{s}" not in exps]
+    if missing:
+        raise SystemExit(f"smollm2_learns.py: {clone} has no experiment {', '.join(missing)}; `run` makes them")
+    seeds = {s: flatten(exps[f"smollm2-seed{s}"]) for s in SEEDS}
+    rates = [seeds[s]["gold/win_rate_vs_sft"] for s in SEEDS]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True, text=True)
+    out = {
+        "commit": commit.stdout.strip(),
+        "cpu_flags": cpu_flags(),
+        "win_rate_vs_sft_mean": statistics.mean(rates),
+        "passes": statistics.mean(rates) >= 0.65 and min(rates) >= 0.60,
+        **{f"seed{s}/{k}": seeds[s].get(k) for s in SEEDS for k in KEYS},
+    }
+    from rlhf.io import write_json
+
+    write_json(OUT, out)
+    for key, value in out.items():
+        print(f"{key:<42} {value}")
+    print(f"smollm2_learns.py: the rule {'PASSES' if out['passes'] else 'FAILS'}; wrote {OUT}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=("run", "report"))
+    ap.add_argument("--clone", type=Path, default=CLONE, help=f"the fresh clone (default {CLONE})")
+    args = ap.parse_args()
+    (run if args.action == "run" else report)(args.clone)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
