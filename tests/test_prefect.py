@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -515,6 +516,10 @@ def test_ppo_run_completes_and_is_a_dvc_experiment(served, repo, home):
     assert (exp_params["profile"], exp_params["train"]["trainer"], exp_params["seed"]) == ("ci", "ppo", 4321)
     assert set(exps[name]["metrics"]) == {"data/metrics/eval.json"}  # the results: dvc.yaml's one metrics file
     assert exps[name]["metrics"]["data/metrics/eval.json"]["data"]
+    # ... and the README's first comparison command, as typed, reads in a 120-column terminal: no column cut to "…"
+    [typed] = re.findall(r"^dvc exp show\b.*?(?=\s+#|$)", (ROOT / "README.md").read_text(), flags=re.M)[:1]
+    table = run_ok(shlex.split(typed), repo, {**env, "COLUMNS": "120"})
+    assert name in table and "…" not in table and max(map(len, table.splitlines())) <= 120, table
     # the stages' diagnostics (plain `cache: false` outs) are in the experiment's commit too
     committed = run_ok(["git", "ls-tree", "-r", "--name-only", revs[name]["rev"]], repo, env)
     assert all(f"data/metrics/{stage}.json" in committed for stage in ("prepare", "gold", "sft", "reward", "train"))
