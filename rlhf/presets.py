@@ -18,10 +18,28 @@ class Preset:
     engine: str  # key of ENGINES
 
 
-ENGINES: dict[str, str] = {
-    "hf": "HF generate on the training model itself, synchronous",
-    "vllm": "vLLM colocated with training, blocking: every batch sampled with the current weights",
-    "vllm_async": "vLLM in its own process, generating up to train.max_staleness batches ahead of training",
+@dataclass(frozen=True)
+class EngineKind:
+    """What a train.engine name means, said once: the config's checks, the engine's placement and the trainer's
+    setup read these traits, never the name."""
+
+    description: str
+    vllm: bool  # a vLLM engine, built from an EngineSpec; else HF generate on the training model itself
+    samples_ahead: bool  # in a process of its own, up to train.max_staleness batches ahead of training
+
+
+ENGINES: dict[str, EngineKind] = {
+    "hf": EngineKind("HF generate on the training model itself, synchronous", vllm=False, samples_ahead=False),
+    "vllm": EngineKind(
+        "vLLM colocated with training, blocking: every batch sampled with the current weights",
+        vllm=True,
+        samples_ahead=False,
+    ),
+    "vllm_async": EngineKind(
+        "vLLM in its own process, generating up to train.max_staleness batches ahead of training",
+        vllm=True,
+        samples_ahead=True,
+    ),
 }
 
 PRESETS: dict[str, Preset] = {

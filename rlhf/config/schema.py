@@ -359,23 +359,24 @@ class TrainConfig(_Section):
             raise ValueError(
                 "train.decoupled_cap and train.tis_cap are two corrections of the same stale samples: set one"
             )
-        if self.engine_backend == "ray" and engine != "vllm_async":
+        kind = ENGINES[engine]
+        if self.engine_backend == "ray" and not kind.samples_ahead:
             raise ValueError(f"train.engine_backend: ray runs vllm_async engines, not {engine} (set train.engine)")
         if self.num_engines > 1 and self.engine_backend != "ray":
             raise ValueError(f"train.num_engines: {self.num_engines} engines need train.engine_backend: ray")
-        if self.weight_updates == "in_flight" and (engine != "vllm_async" or self.engine_backend != "process"):
+        if self.weight_updates == "in_flight" and (not kind.samples_ahead or self.engine_backend != "process"):
             raise ValueError(
                 "train.weight_updates: in_flight updates the weights of an engine that samples ahead in a process of "
                 f"its own (train.engine vllm_async, engine_backend process), not {engine} on {self.engine_backend}"
             )
         if self.in_flight_step is not None and self.weight_updates != "in_flight":
             raise ValueError("train.in_flight_step applies to in-flight updates: set train.weight_updates=in_flight")
-        if engine == "vllm_async" and self.max_staleness < 1:
+        if kind.samples_ahead and self.max_staleness < 1:
             raise ValueError(
                 f"train.max_staleness: 0 with the vllm_async engine ({self.trainer}), which samples at least one "
                 "batch ahead; for batches sampled with the current weights use train.engine=vllm"
             )
-        if engine == "hf" and self.engine_device != "auto":
+        if not kind.vllm and self.engine_device != "auto":
             raise ValueError(
                 f"train.engine_device: {self.engine_device} places a vLLM engine, and {self.trainer} samples with HF "
                 "generate on the training device; set train.engine=vllm or vllm_async, or leave engine_device auto"

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from rlhf.presets import ENGINES
+
 
 @dataclass
 class SamplingParams:
@@ -82,7 +84,7 @@ class EngineSpec:
 
 def lookahead(name: str, max_staleness: int) -> int:
     """How many batches engine `name` samples ahead of training: max_staleness for vllm_async, else 0."""
-    return max_staleness if name == "vllm_async" else 0
+    return max_staleness if ENGINES[name].samples_ahead else 0
 
 
 @dataclass

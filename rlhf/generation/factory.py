@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from rlhf.generation.base import Engine, EngineSpec, Placement
+from rlhf.presets import ENGINES
 
 OWN_GPU_MEMORY, SHARED_GPU_MEMORY = 0.9, 0.3  # vLLM's share of a GPU it has to itself / shares with training
 
@@ -26,13 +27,14 @@ def placement(
         spare = spare_gpus(world, torch.cuda.device_count())
         shared = spare == (0,) and world > 0 and learner != "cpu"
         return Placement("cuda:0", True, memory or (SHARED_GPU_MEMORY if shared else OWN_GPU_MEMORY), spare, shared)
-    if setting == "auto" and name == "vllm_async" and torch.cuda.device_count() > world:
+    ahead = ENGINES[name].samples_ahead
+    if setting == "auto" and ahead and torch.cuda.device_count() > world:
         device = f"cuda:{world}"  # the paper's layout: W training GPUs and the next one for generation
     elif setting == "auto":
         device = learner
     else:
         device = "cuda:0" if setting == "cuda" else setting
-    own_process = name == "vllm_async" or world > 1 or device != learner
+    own_process = ahead or world > 1 or device != learner
     if device == "cpu":
         return Placement(device, own_process, None)
     shared = int(device.split(":")[1]) < world  # the training ranks hold cuda:0 .. cuda:W-1
@@ -86,7 +88,7 @@ def make_engine(spec: EngineSpec, process=None) -> Engine:
     or, where spec.where says it runs in its own, an AsyncEngine (rlhf.generation.async_engine) over `process`,
     the channel started earlier for it (start_engine: it imported vLLM meanwhile), else one started now.
     The HF engine needs no spec: rlhf.generation.hf.HFEngine samples from the training model itself."""
-    if spec.name not in ("vllm", "vllm_async"):
+    if spec.name not in ENGINES or not ENGINES[spec.name].vllm:
         raise ValueError(f"train.engine: unknown vLLM engine {spec.name!r} (expected vllm or vllm_async)")
     if spec.dtype == "auto":  # bf16 where it is native (GPUs); on these CPUs float32 (docs/gpu.md)
         spec = replace(spec, dtype="bfloat16" if spec.device.startswith("cuda") else "float32")
@@ -94,7 +96,7 @@ def make_engine(spec: EngineSpec, process=None) -> Engine:
         raise FileNotFoundError(
             f"{Path(spec.model_folder) / 'config.json'}: missing; the vLLM engine needs a saved HF model folder"
         )
-    if spec.name == "vllm_async" and spec.max_staleness < 1:
+    if ENGINES[spec.name].samples_ahead and spec.max_staleness < 1:
         raise ValueError(f"max_staleness must be >= 1 for the vllm_async engine, got {spec.max_staleness}")
     if not spec.where.own_process:
         from rlhf.generation.vllm import VLLMEngine

@@ -15,7 +15,7 @@ import torch
 from rlhf.config import Config
 from rlhf.generation.base import Placement, lookahead
 from rlhf.generation.factory import placement
-from rlhf.presets import resolve
+from rlhf.presets import ENGINES, resolve
 from rlhf.runtime import env_int
 
 
@@ -31,7 +31,7 @@ def engine_placement(cfg: Config) -> tuple[str, Placement | None]:
     None for the HF engine, which samples from the training model itself). The one place the trainer's engine is
     placed, once per run: by this stage's early start, or by the trainer's setup when nothing started it."""
     name = resolve(cfg.train.trainer, cfg.train.engine)[1]
-    if name == "hf":
+    if not ENGINES[name].vllm:
         return name, None
     _, world, device = launch()
     c = cfg.train

@@ -31,7 +31,7 @@ from rlhf.models.batch import host_list
 from rlhf.models.forward import PolicyAndValueWrapper, unwrap_policy
 from rlhf.models.loading import encode_prompts, load_tokenizer
 from rlhf.models.lora import AdaptersOff, add_adapters
-from rlhf.presets import resolve
+from rlhf.presets import ENGINES, resolve
 from rlhf.rewards.proxy import GoldReward, RewardSpec, RuleReward
 from rlhf.runtime import adamw, env_int
 from rlhf.trainers.early import EarlyStart, engine_placement, holds_own_process
@@ -196,7 +196,7 @@ def _scoring_side(c: TrainConfig, engine_name: str) -> str:
     """train.score_in_engine where it applies (the async engine), else "never": the learner scores. With several
     Ray engines "auto" is "always": each engine scores its slice of a batch, padded unlike the learner's whole part,
     so the last bits of a score would depend on which side scored it (and a run on timing)."""
-    if engine_name != "vllm_async":
+    if not ENGINES[engine_name].samples_ahead:
         return "never"
     several = c.engine_backend == "ray" and c.num_engines > 1
     return "always" if several and c.score_in_engine == "auto" else c.score_in_engine
