@@ -182,6 +182,11 @@ def test_a_batch_split_by_rank_gives_each_rank_the_samples_of_its_own_prompts():
     assert first.ref_logprobs is None and second.ref_logprobs is None
     tensors = {f.name for f in dataclasses.fields(Generated) if isinstance(getattr(gen, f.name), torch.Tensor)}
     assert tensors <= set(Generated.ROWS)  # every per-sample tensor is one split cuts
+    # Ray engines' slices come back as one batch; a batch crosses a pipe as numpy and back, every field intact
+    whole = Generated.concat([Generated.from_wire(part.to_wire()) for part in (first, second)])
+    assert all(torch.equal(getattr(whole, f), getattr(gen, f)) for f in tensors) and whole.prompts == prompts
+    with pytest.raises(RuntimeError, match="different weight versions"):
+        Generated.concat([first, dataclasses.replace(second, version=4)])
 
 
 def _pipeline(learner: float, generation: float, cost: float, every: int | None = None) -> tuple[float, float]:

@@ -320,10 +320,7 @@ class AsyncEngine:
     def _handle(self, msg: Ready | Ack | Result | Error) -> None:
         match msg:
             case Result():
-                scores, refs = (None if a is None else torch.from_numpy(a) for a in (msg.scores, msg.refs))
-                responses, logprobs = torch.from_numpy(msg.responses), torch.from_numpy(msg.logprobs)
-                gen = Generated(responses, msg.version, msg.seconds, logprobs, scores, msg.prompts, ref_logprobs=refs)
-                gen.token_versions = torch.from_numpy(msg.versions)  # per token: in-flight updates change it
+                gen = Generated.from_wire(msg.generated)
                 stats = {"timing/engine_idle": msg.idle, "timing/weight_sync_engine": msg.reload}
                 if self._score != "never":
                     stats["timing/scoring_engine"] = msg.scoring

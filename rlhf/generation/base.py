@@ -7,10 +7,11 @@ engine generates ahead of training: 0 = synchronous (every batch sampled with th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from rlhf.presets import ENGINES
@@ -102,6 +103,27 @@ class Generated:
     token_versions: torch.Tensor | None = None
 
     ROWS = ("responses", "logprobs", "scores", "ref_logprobs", "token_versions")  # the per-sample (B*K, ...) fields
+
+    def to_wire(self) -> dict:
+        """Every field, tensors as numpy arrays: what crosses a pipe or Ray's object store (from_wire undoes it)."""
+        return {f.name: v.numpy() if isinstance(v := getattr(self, f.name), torch.Tensor) else v for f in fields(self)}
+
+    @classmethod
+    def from_wire(cls, wire: dict) -> Generated:
+        return cls(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in wire.items()})
+
+    @classmethod
+    def concat(cls, parts: list[Generated]) -> Generated:
+        """Slices of one batch sampled side by side (Ray engines), in prompt order: rows and prompts joined, the
+        batch's seconds the slowest slice's. Every slice must come from the same weight versions."""
+        versions = tuple(p.version for p in parts)
+        if len(set(versions)) != 1:  # every engine loads every version before the batches after it
+            raise RuntimeError(f"a batch's slices were sampled with different weight versions {versions}")
+        rows = {
+            f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]) for f in cls.ROWS
+        }
+        prompts = None if parts[0].prompts is None else [q for p in parts for q in p.prompts]
+        return replace(parts[0], seconds=max(p.seconds for p in parts), prompts=prompts, **rows)
 
     def split(self, counts: list[int]) -> list[Generated]:
         """One Generated per part of the prompts, counts[r] prompts each, in order: part r's rows are the K samples

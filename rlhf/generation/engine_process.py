@@ -18,7 +18,6 @@ import traceback
 import weakref
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from rlhf.generation.base import EngineSpec, SamplingParams
@@ -67,17 +66,11 @@ class Ack(NamedTuple):
 
 
 class Result(NamedTuple):
-    """One generated batch, arrays as numpy (the wire format), and the engine's time since the previous Result."""
+    """One generated batch, on the wire, and the engine's time since the previous Result."""
 
     batch: int
-    responses: np.ndarray  # (B*K, T) sampled tokens, right-padded
-    logprobs: np.ndarray  # (B*K, T) sampling log-probs
-    scores: np.ndarray | None  # (B*K,) when the engine scored the batch
-    refs: np.ndarray | None  # (B*K, T) reference log-probs, when it computed them
-    prompts: list[list[int]]  # as the engine sampled them
-    version: int  # the weight version that sampled the batch (its first tokens, under in-flight updates)
-    versions: np.ndarray  # (B*K, T) the weight version of each sampled token
-    seconds: float  # generating it
+    generated: dict  # Generated.to_wire(): samples, log-probs, per-token versions, scores and reference log-probs
+    # when the engine computed them, the prompts as it sampled them, its seconds generating
     scoring: float  # scoring it and computing its reference log-probs
     idle: float  # waiting for work since the previous Result
     reload: float  # loading weights since the previous Result
@@ -242,24 +235,12 @@ def sample_and_score(
     `swap`: its in-flight weight update (in_flight_swap)."""
     gen = engine.generate(work.prompts, work.params, work.batch, first, swap)
     scored = time.perf_counter()
-    with_scores = scorer is not None and work.score
-    scores, refs = scorer(work.prompts, gen.responses, work.params, work.parts) if with_scores else (None, None)
+    if scorer is not None and work.score:
+        scores, refs = scorer(work.prompts, gen.responses, work.params, work.parts)
+        gen.scores, gen.ref_logprobs = torch.from_numpy(scores), None if refs is None else torch.from_numpy(refs)
     scoring = time.perf_counter() - scored
     idle, reload = clock.take()
-    return Result(
-        batch=work.batch,
-        responses=gen.responses.numpy(),
-        logprobs=gen.logprobs.numpy(),
-        scores=scores,
-        refs=refs,
-        prompts=gen.prompts,
-        version=gen.version,
-        versions=gen.token_versions.numpy(),
-        seconds=gen.seconds,
-        scoring=scoring,
-        idle=idle,
-        reload=reload,
-    )
+    return Result(work.batch, gen.to_wire(), scoring, idle, reload)
 
 
 def _next_work(inbox, stop):

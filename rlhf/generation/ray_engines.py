@@ -36,6 +36,7 @@ import numpy as np
 import psutil
 import torch
 
+from rlhf.generation.base import Generated
 from rlhf.generation.engine_process import (
     Ack,
     Build,
@@ -331,25 +332,6 @@ def _merge(kind: type, key, values: list) -> Ready | Ack | Result:
         return Ready(max(v[0] for v in values))
     if kind is Ack:
         return Ack(key)
-    versions = tuple(r.version for r in values)
-    if len(set(versions)) != 1:  # every actor loads every version before the batches after it
-        raise RuntimeError(f"batch {key}: the engines sampled it with different weight versions {versions}")
-
-    def cat(field: str):
-        arrays = [getattr(r, field) for r in values]
-        return None if arrays[0] is None else np.concatenate(arrays)
-
-    return Result(
-        batch=key,
-        responses=cat("responses"),
-        logprobs=cat("logprobs"),
-        scores=cat("scores"),
-        refs=cat("refs"),
-        prompts=[p for r in values for p in r.prompts],
-        version=versions[0],
-        versions=cat("versions"),
-        seconds=max(r.seconds for r in values),
-        scoring=max(r.scoring for r in values),
-        idle=min(r.idle for r in values),
-        reload=max(r.reload for r in values),
-    )
+    generated = Generated.concat([Generated.from_wire(r.generated) for r in values])
+    scoring, reload = max(r.scoring for r in values), max(r.reload for r in values)
+    return Result(key, generated.to_wire(), scoring, min(r.idle for r in values), reload)
