@@ -146,7 +146,8 @@ def test_a_workers_run_reaches_another_clone_through_the_remotes(kind, tmp_path,
     remote = [str(tmp_path / "dvc-store")] if kind == "folder" else [f"s3://{BUCKET}/{kind}", f"endpointurl={s3}"]
     a = team_project(tmp_path / "a", env, remote)
     logs = worker_run(a, prefect_api, EXPERIMENT)
-    assert re.search(rf"pushed experiment {EXPERIMENT} to git remote 'origin' and its outputs to DVC remote 'team'", logs)
+    pushed = f"pushed experiment {EXPERIMENT} to git remote 'origin' and its outputs to DVC remote 'team'"
+    assert pushed in logs, logs[-4000:]
     (ref,) = run_ok(["git", "for-each-ref", "--format=%(refname)", f"refs/exps/*/*/{EXPERIMENT}"], a, env).split()
 
     # Clone B, as a teammate types it.
@@ -182,9 +183,12 @@ def test_a_push_to_an_unreachable_remote_is_one_warning_and_the_result_stays(tmp
     closed = f"http://127.0.0.1:{free_port()}"
     a = team_project(tmp_path / "a", env, [f"s3://{BUCKET}/down", f"endpointurl={closed}"], prepare_only=True)
     logs = worker_run(a, prefect_api, "unshared")
-    warnings = [line for line in logs.splitlines() if "not pushed" in line]
-    assert len(warnings) == 1, logs[-4000:]
-    assert "DVC remote 'team' at s3://" in warnings[0] and "Could not connect to the endpoint URL" in warnings[0]
+    records = re.split(r"\n(?=\d{4}-\d\d-\d\d \d)", logs.strip())  # a record may span lines: each starts dated
+    warnings = [r for r in records if "| WARNING |" in r or "| ERROR " in r]
+    assert len(warnings) == 1 and "\n" not in warnings[0], logs[-4000:]
+    (warning,) = warnings
+    assert "experiment unshared not pushed" in warning
+    assert "DVC remote 'team' at s3://" in warning and "Could not connect to the endpoint URL" in warning
     assert "Traceback" not in logs
     (ref,) = run_ok(["git", "for-each-ref", "--format=%(refname)", "refs/exps/*/*/unshared"], a, env).split()
     prepared = recorded(a, ref, "data/prepared", env)  # read from A's cache: the outputs are saved locally
