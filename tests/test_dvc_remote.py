@@ -20,8 +20,6 @@ import pytest
 import yaml
 from conftest import COMMAND_TIMEOUT, ROOT, free_port, isolated_env, make_dvc_repo, run_ok
 
-pytestmark = pytest.mark.slow  # a Prefect server, a worker, the pipeline on `ci`
-
 BUCKET = "team-results"
 EXPERIMENT = "shared-run"
 
@@ -141,6 +139,31 @@ def present(clone: Path, out: str) -> dict[str, str]:
     return {str(f.relative_to(clone)): hashlib.md5(f.read_bytes()).hexdigest() for f in files}
 
 
+def test_a_push_needs_a_default_dvc_remote_and_its_failure_is_dvcs_one_line_reason(tmp_path, env):
+    """The setting is DVC's own: no default remote, no push (`make run` and a lone checkout need none). A push that
+    fails is told by DVC's one ERROR line, here of a real `dvc exp push` from a checkout with no git remote `origin`."""
+    from flows.rlhf_flow import default_remote, dvc_error
+
+    repo = tmp_path / "project"
+    repo.mkdir()
+    for cmd in (["git", "init", "-q"], ["git", "config", "user.name", "t"], ["git", "config", "user.email", "t@t"]):
+        run_ok(cmd, repo, env)
+    run_ok(["dvc", "init", "-q"], repo, env)
+    assert default_remote(repo) is None
+    run_ok(["dvc", "remote", "add", "other", str(tmp_path / "elsewhere")], repo, env)
+    assert default_remote(repo) is None  # a remote, but not the default: still no push
+    run_ok(["dvc", "remote", "add", "-d", "team", "../store"], repo, env)  # relative to where it is typed
+    assert default_remote(repo) == ("team", str(tmp_path / "store"))
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "commit", "-qm", "init"], repo, env)
+    run_ok(["dvc", "exp", "save", "-n", "lonely"], repo, env)
+    proc = subprocess.run(["dvc", "exp", "push", "origin", "lonely"], cwd=repo, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "Having any troubles?" in proc.stderr  # DVC's reason, then its help lines
+    reason = "Git failed to push '[]' to 'origin': No git repository was found at origin"
+    assert dvc_error(proc.stdout + proc.stderr) == reason, proc.stderr
+
+
+@pytest.mark.slow  # a Prefect server, a worker, the pipeline on `ci`
 @pytest.mark.parametrize("kind", ["folder", "s3"])
 def test_a_workers_run_reaches_another_clone_through_the_remotes(kind, tmp_path, env, s3, prefect_api):
     remote = [str(tmp_path / "dvc-store")] if kind == "folder" else [f"s3://{BUCKET}/{kind}", f"endpointurl={s3}"]
@@ -177,6 +200,7 @@ def test_a_workers_run_reaches_another_clone_through_the_remotes(kind, tmp_path,
     assert present(c, "data/train") == recorded(a, ref, "data/train", env)
 
 
+@pytest.mark.slow  # a Prefect server, a worker, `prepare` on `ci`
 def test_a_push_to_an_unreachable_remote_is_one_warning_and_the_result_stays(tmp_path, env, prefect_api):
     """The S3 endpoint answers nothing (a free port): the flow run still completes, with one warning line naming the
     remote and the cause, and its experiment and outputs saved in the project."""
