@@ -20,6 +20,8 @@ import pytest
 import yaml
 from conftest import COMMAND_TIMEOUT, ROOT, free_port, isolated_env, make_dvc_repo, run_ok
 
+# The tests that start the Prefect server share it: one pytest-xdist worker runs them, in file order.
+ONE_SERVER = pytest.mark.xdist_group("dvc_remote")
 BUCKET = "team-results"
 EXPERIMENT = "shared-run"
 
@@ -164,6 +166,7 @@ def test_a_push_needs_a_default_dvc_remote_and_its_failure_is_dvcs_one_line_reas
 
 
 @pytest.mark.slow  # a Prefect server, a worker, the pipeline on `ci`
+@ONE_SERVER
 @pytest.mark.parametrize("kind", ["folder", "s3"])
 def test_a_workers_run_reaches_another_clone_through_the_remotes(kind, tmp_path, env, s3, prefect_api):
     remote = [str(tmp_path / "dvc-store")] if kind == "folder" else [f"s3://{BUCKET}/{kind}", f"endpointurl={s3}"]
@@ -201,6 +204,7 @@ def test_a_workers_run_reaches_another_clone_through_the_remotes(kind, tmp_path,
 
 
 @pytest.mark.slow  # a Prefect server, a worker, `prepare` on `ci`
+@ONE_SERVER
 def test_a_push_to_an_unreachable_remote_is_one_warning_and_the_result_stays(tmp_path, env, prefect_api):
     """The S3 endpoint answers nothing (a free port): the flow run still completes, with one warning line naming the
     remote and the cause, and its experiment and outputs saved in the project."""
