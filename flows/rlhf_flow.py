@@ -184,7 +184,8 @@ def save_experiment(project: str, ws: str, name: str, metrics: list[str]) -> str
 def default_remote(project: Path) -> tuple[str, str] | None:
     """The project's default DVC remote as (name, url), or None where none is set: a run's experiment is pushed only
     where one is. Read as `dvc push` reads it: .dvc/config, .dvc/config.local (credentials, a machine's own remote)
-    and the user's and system's DVC config."""
+    and the user's and system's DVC config. (`dvc exp push` takes .dvc/config from the experiment's own commit: the
+    checkout's, as the run began.)"""
     from dvc.config import Config
 
     config = Config(project / ".dvc")
