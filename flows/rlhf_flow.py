@@ -11,10 +11,13 @@ One run:
      are unchanged is skipped instead of run again; the last, `report`, writes data/report/index.html;
   4. `dvc exp save --name <experiment>` there, and its ref fetched into the project:
      `dvc exp show` lists the run with its params and metrics, `dvc exp diff` compares it;
-  5. the run's results as Prefect artifacts, visible in the UI beside its task states: the headline metrics and
+  5. where the project has a default DVC remote (`dvc remote add -d`), `dvc exp push origin <experiment>` from the
+     project: the experiment's commit to the git remote, its cached outputs to the DVC remote, so another clone
+     gets both with `dvc exp pull`; a failed push is one warning, the run still succeeds with its results saved;
+  6. the run's results as Prefect artifacts, visible in the UI beside its task states: the headline metrics and
      the win-rate vs KL frontier as tables, a link to a copy of the report (.cache/reports/<experiment>/), every
      metric;
-  6. the clone is removed (its outputs stay in the shared DVC cache).
+  7. the clone is removed (its outputs stay in the shared DVC cache).
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from tasks.stages import Pipeline, run_stage
 
 REPORT = "data/report/index.html"  # written by the report stage (rlhf/stages/report.py)
 EVAL_METRICS = "data/metrics/eval.json"  # the headline results (dvc.yaml's one metrics file)
+# The git remote a run's experiment goes to: the one `git clone` names, where the other clones fetch from. Whether it
+# goes at all is the project's DVC setting: a default DVC remote (see default_remote).
+GIT_REMOTE = "origin"
 TRAINERS: tuple[str, ...] = tuple(PRESETS)
 Trainer = Literal[TRAINERS]  # type: ignore[valid-type]  # a dropdown in the Prefect UI
 
@@ -175,6 +181,62 @@ def save_experiment(project: str, ws: str, name: str, metrics: list[str]) -> str
     return ref
 
 
+def default_remote(project: Path) -> tuple[str, str] | None:
+    """The project's default DVC remote as (name, url), or None where none is set: a run's experiment is pushed only
+    where one is. Read as `dvc push` reads it: .dvc/config, .dvc/config.local (credentials, a machine's own remote)
+    and the user's and system's DVC config. (`dvc exp push` takes .dvc/config from the experiment's own commit: the
+    checkout's, as the run began.)"""
+    from dvc.config import Config
+
+    config = Config(project / ".dvc")
+    name = config["core"].get("remote")
+    return (name, str(config["remote"].get(name, {}).get("url"))) if name else None
+
+
+@task(name="dvc exp push", task_run_name="dvc exp push", cache_policy=NONE)
+def push_experiment(project: str, name: str, remote: tuple[str, str]) -> bool:
+    """`dvc exp push origin <name>` in the project (its git remotes, its DVC config, the run's outputs in its cache):
+    the experiment's commit to git remote `origin`, then the outputs its dvc.lock records to DVC remote `remote`.
+
+    A failure (a remote down, no credentials) is one warning line naming the remote and the cause, and False: the
+    experiment stays saved in the project and the flow run succeeds; the same command there pushes it later. DVC
+    pushes the git ref first, so a failed upload can leave the experiment listed on the git remote without its data
+    until then.
+    """
+    cmd = ["dvc", "exp", "push", GIT_REMOTE, name]
+    logger = get_run_logger()
+    try:
+        run_tool(cmd, Path(project))
+    except RuntimeError as e:
+        logger.warning(
+            "experiment %s not pushed (git remote %r, DVC remote %r at %s): %s; it is saved in %s, where `%s` retries",
+            name,
+            GIT_REMOTE,
+            *remote,
+            dvc_error(str(e)),
+            project,
+            " ".join(cmd),
+        )
+        return False
+    logger.info(
+        "pushed experiment %s to git remote %r and its outputs to DVC remote %r (%s): another clone gets them with "
+        "`dvc exp pull %s %s`",
+        name,
+        GIT_REMOTE,
+        *remote,
+        GIT_REMOTE,
+        name,
+    )
+    return True
+
+
+def dvc_error(output: str) -> str:
+    """DVC's own one-line reason in a failed command's output (its `ERROR: ...` line), else the output's last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    reason = next((line for line in lines if line.startswith("ERROR: ")), lines[-1] if lines else "no output")
+    return reason.removeprefix("ERROR: ").removeprefix("unexpected error - ")
+
+
 @flow(name="rlhf", description="The dvc.yaml pipeline with one trainer, saved as a DVC experiment.")
 def rlhf(
     trainer: Trainer = "online_dpo",
@@ -182,7 +244,8 @@ def rlhf(
     overrides: list[str] | None = None,
     experiment: str | None = None,
 ) -> dict:
-    """Run every dvc.yaml stage for `trainer` and save the run as DVC experiment `experiment`.
+    """Run every dvc.yaml stage for `trainer` and save the run as DVC experiment `experiment`, pushed to git remote
+    `origin` and the default DVC remote where the project has one (push_experiment).
 
     trainer: train.trainer preset. profile: params.yaml profile (None = the file's `profile`).
     overrides: `section.key=value` items (e.g. ["train.k=4"]). experiment: name in `dvc exp show`
@@ -217,6 +280,8 @@ def rlhf(
             futures[stage] = run_stage.submit(stage, str(ws), pipeline.metrics[stage], wait_for=upstream)
             metrics.update(futures[stage].result())  # one stage at a time: the stages share the machine
         save_experiment(str(project), str(ws), name, [m for stage in pipeline.order for m in pipeline.metrics[stage]])
+        if remote := default_remote(project):  # before the artifacts: a server gone mid-run costs those, not the push
+            push_experiment(str(project), name, remote)
         publish_artifacts(str(project), str(ws), name, metrics)
     logger.info("saved DVC experiment %s: `dvc exp show` lists it, `dvc exp diff %s` compares it", name, name)
     return {"experiment": name, "metrics": metrics}
