@@ -70,6 +70,9 @@ def test_overrides_keep_types_and_reach_nested_keys():
         ("seed=-1", "seed: Input should be greater than or equal to 0"),
         ("train.seed=-5", "train.seed: Input should be greater than or equal to 0"),
         ("seed=4294967296", "seed: Input should be less than 4294967296"),
+        ("train.weight_updates=in_flight", "train.weight_updates: in_flight updates the weights of an engine that"),
+        ("train.in_flight_step=4", "train.in_flight_step applies to in-flight updates: set train.weight_updates"),
+        ("train.weight_updates=eventually", "train.weight_updates: Input should be 'between_batches' or 'in_flight'"),
     ],
 )
 def test_bad_values_fail_at_load_time_naming_the_key(override, message):
