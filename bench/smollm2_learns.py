@@ -75,25 +75,28 @@ def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
 
 def report(clone: Path) -> None:
     exps = experiments(clone)
-    missing = [f"smollm2-seed{s}" for s in SEEDS if f"smollm2-seed{s}" not in exps]
-    if missing:
-        raise SystemExit(f"smollm2_learns.py: {clone} has no experiment {', '.join(missing)}; `run` makes them")
-    seeds = {s: flatten(exps[f"smollm2-seed{s}"]) for s in SEEDS}
-    rates = [seeds[s]["gold/win_rate_vs_sft"] for s in SEEDS]
+    seeds = {s: flatten(exps[f"smollm2-seed{s}"]) for s in SEEDS if f"smollm2-seed{s}" in exps}
+    rates = [seeds[s]["gold/win_rate_vs_sft"] for s in seeds]
+    if not rates:
+        raise SystemExit(f"smollm2_learns.py: {clone} has no experiment smollm2-seed<S>; `run` makes them")
+    # a seed below 0.60 fails the rule whatever the others give; a pass needs every seed
+    passes = min(rates) >= 0.60 and (statistics.mean(rates) >= 0.65 if len(rates) == len(SEEDS) else None)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=clone, capture_output=True, text=True)
     out = {
         "commit": commit.stdout.strip(),
         "cpu_flags": cpu_flags(),
+        "seeds_run": list(seeds),
         "win_rate_vs_sft_mean": statistics.mean(rates),
-        "passes": statistics.mean(rates) >= 0.65 and min(rates) >= 0.60,
-        **{f"seed{s}/{k}": seeds[s].get(k) for s in SEEDS for k in KEYS},
+        "passes": passes,
+        **{f"seed{s}/{k}": seeds[s].get(k) for s in seeds for k in KEYS},
     }
     from rlhf.io import write_json
 
     write_json(OUT, out)
     for key, value in out.items():
         print(f"{key:<42} {value}")
-    print(f"smollm2_learns.py: the rule {'PASSES' if out['passes'] else 'FAILS'}; wrote {OUT}")
+    verdict = {True: "PASSES", False: "FAILS", None: "is undecided (a seed is missing)"}[passes]
+    print(f"smollm2_learns.py: the rule {verdict}; wrote {OUT}")
 
 
 def main() -> int:
