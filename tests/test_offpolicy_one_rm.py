@@ -1,0 +1,73 @@
+"""bench/offpolicy_one_rm.py (issue 57 item 2): its points are the grid's settings with new seeds, and its rules read
+as its docstring fixed them before any point ran: checked on synthetic frames where the answer is known."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+from conftest import PARAMS
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+import offpolicy  # noqa: E402
+import offpolicy_one_rm as grid  # noqa: E402
+
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+
+
+def test_the_points_are_the_grids_settings_with_seeds_no_earlier_run_used():
+    from rlhf.config import load_config
+
+    points = grid.points()
+    assert len(points) == 4 * 3 * 4 and set(grid.SEEDS).isdisjoint({1, 2, 3, 4})
+    old = offpolicy.points((5,))
+    assert all(old[name.replace("og-", "op-")] == settings for name, settings in points.items() if name.endswith("s5"))
+    cfg = load_config(PARAMS, "tiny", points["og-online_dpo-n16-s8"])
+    assert (cfg.train.num_mini_batches, cfg.train.seed, cfg.train.eval_checkpoints) == (16, 8, list(FRACTIONS))
+
+
+def _kept(slopes: dict[tuple[str, int], float], reach: dict[tuple[str, int], float]) -> pd.DataFrame:
+    """Four seeds alike, every algorithm and N; at fraction f a policy sits at KL reach*f and win-rate
+    0.5 + slope*KL (so N's loss at equal KL is (slope(1) - slope(N)) x its KL)."""
+    rows = []
+    for (a, n), slope in slopes.items():
+        for seed in grid.SEEDS:
+            for f in FRACTIONS:
+                kl = reach[(a, n)] * f
+                rows.append(dict(algorithm=a, N=n, seed=seed, fraction=f, kl=kl, win_rate_vs_sft=0.5 + slope * kl))
+    return pd.DataFrame(rows)
+
+
+def _grid(dpo16: float) -> pd.DataFrame:
+    """Every algorithm on the same N = 1 frontier (slope 0.05); off-policy, PPO/RLOO/BoK lose slope, online DPO's
+    N = 16 slope is `dpo16`."""
+    slopes, reach = {}, {}
+    for a in offpolicy.ALGORITHMS:
+        for n in grid.MINI_BATCHES:
+            slopes[(a, n)] = 0.05 if n == 1 else 0.02
+            reach[(a, n)] = 4.0
+        slopes[(a, 16)] = dpo16 if a == "online_dpo" else 0.02
+    return _kept(slopes, reach)
+
+
+def test_rule_one_names_online_dpo_only_when_its_off_policy_frontier_stays_on_the_on_policy_one():
+    held = grid.rule_one(_grid(dpo16=0.05))[-1]
+    assert "smallest loss at N = 16 is online_dpo's (+0.000" in held and "holds by R1" in held, held
+    failed = grid.rule_one(_grid(dpo16=0.02))[-1]  # every algorithm loses alike: no lead
+    assert "does not hold by R1" in failed, failed
+    lines = grid.rule_one(_grid(dpo16=0.05))
+    assert any(line.startswith("| ppo | +0.075 | +0.075 | False |") for line in lines), lines  # 0.03 x 2.5 nats
+
+
+def test_rule_one_is_not_testable_when_off_policy_runs_reach_past_the_on_policy_frontier():
+    frame = _grid(dpo16=0.05)
+    frame.loc[frame["N"] > 1, "kl"] += 100  # every off-policy policy beyond N = 1's largest KL
+    assert "R1: not testable" in grid.rule_one(frame)[-1]
+
+
+def test_rule_two_needs_online_dpo_ahead_at_every_kept_policy():
+    held = grid.rule_two(_grid(dpo16=0.05))
+    assert held[-1].endswith("claim holds by R2 (online DPO the most retained at 25%, 50% and 100%).")
+    assert "does not hold" in grid.rule_two(_grid(dpo16=0.02))[-1]
