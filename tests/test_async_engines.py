@@ -179,41 +179,67 @@ def test_async_loop_protocol_staleness_order_and_snapshots(policy, request, name
 IN_FLIGHT: dict[tuple[float, int], torch.Tensor] = {}  # (the learner's delay, batch) -> responses
 
 
-@pytest.mark.parametrize("delay", [0.0, 1.0])
-def test_in_flight_updates_land_at_their_step_whatever_the_weights_timing(policy, in_flight1, delay):
-    """The async1 protocol (same prompts, seeds and 'training') with in-flight updates: batch t >= 1 starts with
-    version t-1 and takes version t at decode step SWAP_STEP, waiting there for it. Each token's version says so;
-    the tokens before the swap are what the engine samples between batches (async1), those after differ (new
-    weights); and a learner that sends its weights a second late gets the same tokens bit for bit (an update
-    applied when it arrives, not at its step, fails here)."""
+def _in_flight_protocol(engine, policy, delay: float):
+    """The async1 protocol (same prompts, seeds and 'training', N = 1) on an engine with in-flight updates at
+    SWAP_STEP, the learner sending each version `delay` seconds late: yields (batch, Generated), then the engine is
+    back at batch 0 with the starting weights (a second pass replays the same batches)."""
     folder, tok = policy
     model = loading.load_causal_lm(folder)
     words = ["the", "a", "great", "bad", "movie", "i"]
     params = SamplingParams(k=2, max_new_tokens=6, temperature=1.0)
     generator = torch.Generator().manual_seed(1)
-    in_flight1.submit(prompt_ids(tok, words[:1]), params)
+    engine.submit(prompt_ids(tok, words[:1]), params)
     for t in range(5):
         if t + 1 < 5:
-            in_flight1.submit(prompt_ids(tok, words[: t + 2]), params)
-        gen = in_flight1.receive()
-        assert gen.version == max(0, t - 1)
-        for row, versions in zip(gen.responses.tolist(), gen.token_versions.tolist()):
-            n = response_length(row, tok.eos_token_id)
-            before = n if t == 0 else min(n, SWAP_STEP)
-            assert versions[:n] == [max(0, t - 1)] * before + [t] * (n - before), (t, row, versions)
+            engine.submit(prompt_ids(tok, words[: t + 2]), params)
+        yield t, engine.receive()
+        with torch.no_grad():  # "training", as in the async1 protocol
+            for p in model.parameters():
+                p.add_(0.2 * torch.randn(p.shape, generator=generator))
+        time.sleep(delay)  # the engine, at step SWAP_STEP of batch t+1, waits for these weights
+        engine.load_weights(model, t + 1)
+    engine.seek(0)
+    engine.load_weights(loading.load_causal_lm(folder), 0)
+
+
+def _swapped_at_its_step(gen, t: int, eos: int) -> None:
+    """Batch t >= 1 starts with version t-1 and takes version t at decode step SWAP_STEP; batch 0 is version 0."""
+    assert gen.version == max(0, t - 1)
+    for row, versions in zip(gen.responses.tolist(), gen.token_versions.tolist()):
+        n = response_length(row, eos)
+        before = n if t == 0 else min(n, SWAP_STEP)
+        assert versions[:n] == [max(0, t - 1)] * before + [t] * (n - before), (t, row, versions)
+
+
+@pytest.mark.parametrize("delay", [0.0, 1.0])
+def test_in_flight_updates_land_at_their_step_whatever_the_weights_timing(policy, in_flight1, delay):
+    """In-flight updates: each token's version says where the swap landed; the tokens before the swap are what the
+    engine samples between batches (async1), those after differ (new weights); and a learner that sends its weights
+    a second late gets the same tokens bit for bit (an update applied when it arrives, not at its step, fails)."""
+    for t, gen in _in_flight_protocol(in_flight1, policy, delay):
+        _swapped_at_its_step(gen, t, policy[1].eos_token_id)
         if (1, t) in SAMPLED:  # async1 ran first (file order)
             assert torch.equal(gen.responses[:, :SWAP_STEP], SAMPLED[(1, t)][:, :SWAP_STEP])
             assert (t == 0) == torch.equal(gen.responses, SAMPLED[(1, t)])
         if (1.0 - delay, t) in IN_FLIGHT:
             assert torch.equal(gen.responses, IN_FLIGHT[(1.0 - delay, t)])
         IN_FLIGHT[(delay, t)] = gen.responses
-        with torch.no_grad():  # "training", as in the async1 protocol
-            for p in model.parameters():
-                p.add_(0.2 * torch.randn(p.shape, generator=generator))
-        time.sleep(delay)  # the engine, at step SWAP_STEP of batch t+1, waits for these weights
-        in_flight1.load_weights(model, t + 1)
-    in_flight1.seek(0)  # the second delay replays the same batches (seeds) from the same start
-    in_flight1.load_weights(loading.load_causal_lm(folder), 0)
+
+
+def test_two_ray_engines_update_in_flight_as_one_engine_process(policy, tmp_path):
+    """Two Ray actors, each sampling half of every batch, take the update at the same step: the same tokens and
+    per-token versions as the one engine process (the runs above), the learner a half second late. Closed here:
+    the Ray tests below count the engines on the local cluster."""
+    folder, tok = policy
+    limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path, max_staleness=1, in_flight_step=SWAP_STEP)
+    engine = make_engine(local_spec("vllm_async", folder, tok, CPU, **limits, backend="ray", num_engines=2))
+    try:
+        for t, gen in _in_flight_protocol(engine, policy, 0.5):
+            _swapped_at_its_step(gen, t, tok.eos_token_id)
+            if (0.0, t) in IN_FLIGHT:
+                assert torch.equal(gen.responses, IN_FLIGHT[(0.0, t)])
+    finally:
+        engine.close()
 
 
 def test_a_tied_models_embeddings_alone_reach_the_async_engine(policy, async1):

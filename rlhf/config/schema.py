@@ -364,10 +364,10 @@ class TrainConfig(_Section):
             raise ValueError(f"train.engine_backend: ray runs vllm_async engines, not {engine} (set train.engine)")
         if self.num_engines > 1 and self.engine_backend != "ray":
             raise ValueError(f"train.num_engines: {self.num_engines} engines need train.engine_backend: ray")
-        if self.weight_updates == "in_flight" and (not kind.samples_ahead or self.engine_backend != "process"):
+        if self.weight_updates == "in_flight" and not kind.samples_ahead:
             raise ValueError(
-                "train.weight_updates: in_flight updates the weights of an engine that samples ahead in a process of "
-                f"its own (train.engine vllm_async, engine_backend process), not {engine} on {self.engine_backend}"
+                "train.weight_updates: in_flight updates the weights of an engine that samples ahead (train.engine "
+                f"vllm_async), not {engine}"
             )
         if self.in_flight_step is not None and self.weight_updates != "in_flight":
             raise ValueError("train.in_flight_step applies to in-flight updates: set train.weight_updates=in_flight")

@@ -110,7 +110,9 @@ class Generated:
 
     @classmethod
     def from_wire(cls, wire: dict) -> Generated:
-        return cls(**{k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in wire.items()})
+        """The Generated `to_wire` sent; arrays Ray's object store hands out read-only are copied (torch warns)."""
+        tensor = lambda a: torch.from_numpy(a if a.flags.writeable else a.copy())  # noqa: E731
+        return cls(**{k: tensor(v) if isinstance(v, np.ndarray) else v for k, v in wire.items()})
 
     @classmethod
     def concat(cls, parts: list[Generated]) -> Generated:

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from rlhf.generation.base import EngineSpec, SamplingParams
+from rlhf.generation.base import EngineSpec, Generated, SamplingParams
 from rlhf.generation.engine_build import build
 from rlhf.generation.vllm import Swap, VLLMEngine, import_engine_code
 from rlhf.generation.weights import SharedWeights
@@ -210,8 +210,7 @@ def in_flight_swap(spec: EngineSpec, batch: int, next_message, engine: VLLMEngin
         return None
     wanted = batch - spec.max_staleness + 1
 
-    def take() -> float:
-        start = time.perf_counter()
+    def take() -> None:
         clock.free()
         msg = next_message()
         clock.busy()  # the wait for the learner's weights is the engine's idle time
@@ -222,7 +221,6 @@ def in_flight_swap(spec: EngineSpec, batch: int, next_message, engine: VLLMEngin
             raise RuntimeError(f"batch {batch}: the in-flight update expected weight version {wanted}, got {got}")
         clock.reload += engine.reload(msg.weights, msg.version, in_flight=True)
         outbox.send(Ack(msg.version))
-        return time.perf_counter() - start
 
     return Swap(spec.in_flight_step, take)
 
@@ -233,7 +231,11 @@ def sample_and_score(
     """One batch, sampled and (when work.score) scored, with the engine's idle and reload time since the last one.
     `first`: the index of work.prompts[0] in the run's batch, when this engine samples a slice of it (Ray engines);
     `swap`: its in-flight weight update (in_flight_swap)."""
-    gen = engine.generate(work.prompts, work.params, work.batch, first, swap)
+    return scored(engine.generate(work.prompts, work.params, work.batch, first, swap), scorer, work, clock)
+
+
+def scored(gen: Generated, scorer, work: Generate, clock: EngineClock) -> Result:
+    """A sampled batch, scored when work.score, as the Result sent back."""
     scored = time.perf_counter()
     if scorer is not None and work.score:
         scores, refs = scorer(work.prompts, gen.responses, work.params, work.parts)

