@@ -13,6 +13,9 @@ close), so staleness, checkpoints of the weights in flight and scoring are the a
 Staleness: Ray runs the calls one caller makes on an actor in the order they were made (these actors run one call at
 a time), and every actor gets each weights call before the generate calls made after it, so every slice of batch t
 is sampled with the same version, the newest loaded when the actor starts it: >= t-N, as with one engine.
+In-flight updates (spec.in_flight_step): batch b >= N's slices are begun (`generate` up to that decode step), the
+next version's `load(..., in_flight=True)` follows when the trainer sends it, then `finish`: the same order on every
+actor, so every slice takes the update at the same step, as the engine process does (engine_process.in_flight_swap).
 Faults: an actor that dies (killed, node lost, out of memory) or raises fails the trainer's next receive with a
 RuntimeError naming the actor, its node and pid, within a poll (~0.5 s). Actors are not restarted.
 Cluster: with RAY_ADDRESS set, ray.init joins that cluster; else the first RayEngines of the process starts a local
