@@ -226,22 +226,6 @@ def test_in_flight_updates_land_at_their_step_whatever_the_weights_timing(policy
         IN_FLIGHT[(delay, t)] = gen.responses
 
 
-def test_two_ray_engines_update_in_flight_as_one_engine_process(policy, tmp_path):
-    """Two Ray actors, each sampling half of every batch, take the update at the same step: the same tokens and
-    per-token versions as the one engine process (the runs above), the learner a half second late. Closed here:
-    the Ray tests below count the engines on the local cluster."""
-    folder, tok = policy
-    limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path, max_staleness=1, in_flight_step=SWAP_STEP)
-    engine = make_engine(local_spec("vllm_async", folder, tok, CPU, **limits, backend="ray", num_engines=2))
-    try:
-        for t, gen in _in_flight_protocol(engine, policy, 0.5):
-            _swapped_at_its_step(gen, t, tok.eos_token_id)
-            if (0.0, t) in IN_FLIGHT:
-                assert torch.equal(gen.responses, IN_FLIGHT[(0.0, t)])
-    finally:
-        engine.close()
-
-
 def test_a_tied_models_embeddings_alone_reach_the_async_engine(policy, async1):
     tied_embeddings_alone_reach(async1, policy)
 
@@ -485,3 +469,19 @@ def test_the_rotary_embeddings_reload_warning_is_dropped_and_other_layers_failur
 
     assert not logger.filter(record("RotaryEmbedding"))
     assert logger.filter(record("LlamaMLP")) and logger.filter(record("QKVParallelLinear"))
+
+
+def test_two_ray_engines_update_in_flight_as_one_engine_process(policy, tmp_path):
+    """Two Ray actors, each sampling half of every batch, take the update at the same step: the same tokens and
+    per-token versions as the one engine process (the runs above), the learner a half second late. Last in the file:
+    the Ray tests above count the engines on the local cluster, and ray2's two actors hold its two CPUs until closed."""
+    folder, tok = policy
+    limits = dict(seed=SEED, max_model_len=MAX_MODEL_LEN, work_dir=tmp_path, max_staleness=1, in_flight_step=SWAP_STEP)
+    engine = make_engine(local_spec("vllm_async", folder, tok, CPU, **limits, backend="ray", num_engines=2))
+    try:
+        for t, gen in _in_flight_protocol(engine, policy, 0.5):
+            _swapped_at_its_step(gen, t, tok.eos_token_id)
+            if (0.0, t) in IN_FLIGHT:
+                assert torch.equal(gen.responses, IN_FLIGHT[(0.0, t)])
+    finally:
+        engine.close()

@@ -12,8 +12,10 @@ import hashlib
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -50,19 +52,37 @@ def env(home) -> dict:
 
 
 @pytest.fixture(scope="module")
-def s3(env) -> str:
-    """An S3-compatible server (moto) on a free loopback port with one bucket; its endpoint URL."""
+def s3(env, home) -> str:
+    """An S3-compatible server (moto) on a free loopback port with one bucket; its endpoint URL. In a process of its
+    own: moto's server is a Flask app, and Flask's request-context globals, once imported into a test worker, broke
+    later tests that build vLLM in that process (its start-up walks objects, and a context proxy raises on access)."""
     import boto3
-    from moto.server import ThreadedMotoServer
 
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
     url = f"http://127.0.0.1:{port}"
-    keys = {"aws_access_key_id": env["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"]}
-    boto3.client("s3", endpoint_url=url, region_name="us-east-1", **keys).create_bucket(Bucket=BUCKET)
-    yield url
-    server.stop()
+    cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with (home / "moto.log").open("w") as log:
+        server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while not _answers(port):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"moto's S3 server did not start: {(home / 'moto.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        keys = {"aws_access_key_id": env["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"]}
+        boto3.client("s3", endpoint_url=url, region_name="us-east-1", **keys).create_bucket(Bucket=BUCKET)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _answers(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="module")

@@ -196,6 +196,9 @@ def test_vllm_compiles_and_captures_cuda_graphs_on_a_gpu_and_runs_eagerly_on_the
         def init_weight_transfer_engine(self, request: dict) -> None:
             pass  # the weight-transfer API's handshake: tested on the real engine (test_vllm_engines.py)
 
+        def update_weight_version(self, version: str) -> None:
+            pass  # the label vLLM gives each token it samples: tested on the real engine (test_async_engines.py)
+
     monkeypatch.setattr(vllm, "LLM", LLMOnAnyDevice)
     tok = tiny.train_word_tokenizer(TEXTS, vocab_size=64)
     loading.save_pretrained(tiny.build_tiny_model(SMALL, tok, seed=0), tok, tmp_path / "policy")
