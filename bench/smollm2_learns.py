@@ -63,19 +63,9 @@ def experiments(clone: Path) -> dict[str, dict]:
     return found
 
 
-def flatten(metrics: dict, prefix: str = "") -> dict[str, float]:
-    out = {}
-    for key, value in metrics.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def report(clone: Path) -> None:
     exps = experiments(clone)
-    seeds = {s: flatten(exps[f"smollm2-seed{s}"]) for s in SEEDS if f"smollm2-seed{s}" in exps}
+    seeds = {s: exps[f"smollm2-seed{s}"] for s in SEEDS if f"smollm2-seed{s}" in exps}  # eval.json's flat keys
     rates = [seeds[s]["gold/win_rate_vs_sft"] for s in seeds]
     if not rates:
         raise SystemExit(f"smollm2_learns.py: {clone} has no experiment smollm2-seed<S>; `run` makes them")

@@ -269,11 +269,12 @@ class RayEngines:
             case Weights(weights, version):
                 packed = ray.put(pack_weights(weights))
                 # in flight: the batch begun before these weights takes them half-way (engine_process.in_flight_swap)
-                begun = self._begun.pop(version + self.max_staleness - 1, None)
+                taker = version + self.max_staleness - 1
+                begun = self._begun.pop(taker, None)
                 loads = {e: a.load.remote(packed, version, begun is not None) for e, a in enumerate(self.actors)}
                 self._call(Ack, version, loads)
                 if begun is not None:
-                    self._call(Result, version + self.max_staleness - 1, self._finish(begun))
+                    self._call(Result, taker, self._finish(begun))
             case Generate(batch, prompts, parts=parts):
                 cuts = slices(len(prompts), self.num_engines)  # a batch smaller than E leaves the last engines idle
                 work = {

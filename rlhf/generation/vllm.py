@@ -411,4 +411,4 @@ class Swap:
     not arrived; only if requests are still running then."""
 
     step: int
-    take: Callable[[], object]
+    take: Callable[[], None]
