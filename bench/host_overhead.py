@@ -10,7 +10,10 @@ DPO on a deep, narrow model (Pythia-1B's 16 GPT-NeoX layers at width 64, where t
   policy, value model, reference and reward model, the backward, the optimizer step with its gradient clipping):
   Python, the loop's own small ops, reads, copies. On a GPU that is host time in which no model kernel is queued.
   The gold judge's scoring (scikit-learn on the host, an instrument rather than training) is left out of both, as
-  the engine's sampling is: a judge that costs more (the one that reads the prompt) must not look like less overhead;
+  the engine's sampling is: a judge that costs more (the one that reads the prompt) must not look like less overhead.
+  Where the loop decodes the responses for the judge alone, after the update is queued (`readback.gold_scores`; on a
+  GPU the device is busy with the update meanwhile), the decoding is the judge's; before, it decoded every batch
+  before the update, where a GPU waits, and that counts as the loop's;
 - ops_per_update: the ATen ops the host dispatches (torch.profiler; each is at least one kernel launch on a GPU);
 - the phases' seconds (rlhf.trainers.loop's Clock), the engine's generation apart.
 
@@ -195,7 +198,10 @@ def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
     model_time.wrap(loop, "_clip_gradients")
     judge_time = ModelTime(counter)  # the gold judge: timed apart and left out (module docstring)
     if run.gold is not None:
-        judge_time.wrap(run, "gold")
+        from rlhf.trainers import readback
+
+        # with its decoding of the responses, where the loop decodes for the judge alone (after the update is queued)
+        judge_time.wrap(*((readback, "gold_scores") if hasattr(readback, "gold_scores") else (run, "gold")))
     for name in ("step", "zero_grad"):
         model_time.wrap(run.optimizer, name)
     phases: Counter = Counter()

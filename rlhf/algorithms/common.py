@@ -38,6 +38,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
+def masked_means(named: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`masked_mean` of several same-shape tensors over one mask, as 0-dim tensors by name: one stack, one reduction
+    and one count for all (~8 ops, where a `masked_mean` each is 5: on a GPU a kernel each). For metrics: the
+    reduction order may differ from `masked_mean`'s in the last bit.
+    Shapes: each value and mask (N, T) (or any equal shapes) -> {name: ()}.
+    """
+    stacked = torch.where(mask, torch.stack(list(named.values())), 0.0)
+    means = stacked.flatten(1).sum(1) / mask.sum().clamp(min=1)
+    return dict(zip(named, means.unbind()))
+
+
 def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance of `x` over all positions where `mask` is True (a scalar).
 
@@ -57,9 +68,12 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     Source: TRL `masked_whiten` (PPO advantages use shift_mean=True; rewards shift_mean=False keeps the mean).
     Shapes: x, mask (N, T) -> (N, T).
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    # masked_mean then masked_var, their count and mean computed once (the same ops in the same order: the same bits)
+    count = mask.sum()
+    mean = masked_sum(x, mask) / count.clamp(min=1)
+    centred = x - mean
+    var = masked_sum(centred**2, mask) / (count - 1).clamp(min=1)
+    whitened = centred * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask, whitened, 0.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlhf.algorithms.common import as_groups, masked_mean
+from rlhf.algorithms.common import as_groups, masked_mean, masked_means
 
 LOSS_TYPES = ("sigmoid", "ipo")
 
@@ -61,12 +61,9 @@ def dpo_loss(
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     loss = masked_mean(losses, valid)
     with torch.no_grad():
-        chosen_reward = beta * chosen_logratio
-        rejected_reward = beta * rejected_logratio
-        stats = {
-            "chosen_reward": masked_mean(chosen_reward, valid),
-            "rejected_reward": masked_mean(rejected_reward, valid),
-            "accuracy": masked_mean((chosen_reward > rejected_reward).to(h.dtype), valid),
-            "margin": masked_mean(chosen_reward - rejected_reward, valid),
-        }
+        chosen_reward, rejected_reward = beta * chosen_logratio, beta * rejected_logratio
+        margin = chosen_reward - rejected_reward
+        accuracy = (margin > 0).to(h.dtype)  # chosen_reward > rejected_reward
+        named = {"chosen_reward": chosen_reward, "rejected_reward": rejected_reward, "accuracy": accuracy}
+        stats = masked_means({**named, "margin": margin}, valid)
     return loss, stats

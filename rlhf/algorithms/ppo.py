@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.algorithms.common import first_true_indices, masked_mean
+from rlhf.algorithms.common import first_true_indices, masked_mean, masked_means
 
 
 def token_rewards(
@@ -95,11 +95,8 @@ def policy_loss(
         surrogate = torch.where(mask, weights, 0.0) * surrogate
     loss = masked_mean(surrogate, mask)
     with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((pg_losses_clipped > pg_losses).to(ratio.dtype), mask),
-            "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
-            "ratio": masked_mean(ratio, mask),
-        }
+        clipped = (pg_losses_clipped > pg_losses).to(ratio.dtype)
+        stats = masked_means({"clipfrac": clipped, "approxkl": 0.5 * log_ratio**2, "ratio": ratio}, mask)
     return loss, stats
 
 

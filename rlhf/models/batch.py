@@ -45,9 +45,13 @@ class ModelInput:
     context: int  # C
 
     def to(self, device: torch.device | str) -> ModelInput:
-        """The same batch with every tensor on `device`."""
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return ModelInput(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+        """The same batch with every tensor on `device`. To an accelerator without waiting for its queue (a host
+        batch: the copy is staged at once); back to the host with waiting, so the values are there when read."""
+        non_blocking = torch.device(device).type != "cpu"
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ModelInput(
+            **{k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in values.items()}
+        )
 
     def texts(self, tokenizer) -> list[str]:
         """The responses as text, special tokens dropped (decode a host batch: on a device this reads it back)."""
@@ -136,9 +140,9 @@ def trim_padding(mb: dict[str, torch.Tensor], first: int, t: int) -> dict[str, t
     C = mb["attn"].shape[-1] - T
     out = {}
     for name, x in mb.items():
-        if name in ("sequences", "attn", "positions"):
+        if name in ("sequences", "attn", "positions") and (first, t) != (0, T):  # a slice is an op even when whole
             out[name] = x[..., first : C + t]
-        elif x.dim() == 3 and x.shape[-1] == T:
+        elif x.dim() == 3 and x.shape[-1] == T and t != T:
             out[name] = x[..., :t]
         else:
             out[name] = x

@@ -39,7 +39,7 @@ from rlhf.tracking import Tracker
 from rlhf.trainers import checkpoint, frontier
 from rlhf.trainers.early import EarlyStart
 from rlhf.trainers.objectives import Rollout
-from rlhf.trainers.readback import LOSS, Readback, read_batch
+from rlhf.trainers.readback import LOSS, Readback, read_batch, texts_of
 from rlhf.trainers.setup import Run, setup
 from rlhf.trainers.summary import empty_updates_warning, final_metrics, start_up_hint
 
@@ -152,7 +152,7 @@ class Collected:
     gen: Generated  # what the engine returned: responses, the weight version, its timing and log-probs
     host: ModelInput  # prompts + responses cut after their first EOS (B*K rows, prompt-major), on the host
     inputs: ModelInput  # the same on the learner's device
-    texts: list[str]  # the responses, decoded where a reward or the gold reads text (else empty)
+    texts: list[str] | None  # the responses as text, once something read them (rlhf.trainers.readback.texts_of)
     rollout: Rollout  # the scored batch the objective saw, on the learner's device
     groups: dict[str, torch.Tensor]  # the objective's per-prompt tensors (B, K, ...): micro-batches index them
     stats: dict[str, torch.Tensor]  # the objective's metrics of the batch (and the behaviour weights'), on the device
@@ -201,7 +201,8 @@ def collect(run: Run, t: int, clock: Clock) -> Collected:
     # moves to the training device once, here
     host = assemble(prompts, gen.responses, c.k, tok.pad_token_id, tok.eos_token_id)
     inputs = host.to(run.acc.device)
-    texts = host.texts(tok) if _reads_text(run, gen) else []
+    # the proxy RM reads tokens; a reward that reads text decodes here, the gold after the update is queued
+    texts = host.texts(tok) if _reward_reads_text(run, gen) else None
     # 4. score (the async engine may have scored the batch already, overlapped with training)
     scores = _scores(run, gen, host, inputs, texts)
     clock.mark("scoring")
@@ -229,14 +230,12 @@ def collect(run: Run, t: int, clock: Clock) -> Collected:
     return Collected(gen, host, inputs, texts, rollout, groups, stats)
 
 
-def _reads_text(run: Run, gen: Generated) -> bool:
-    """Whether anything reads this batch's responses as text: a reward that does (the proxy RM reads tokens), or the
-    gold (step 8)."""
-    reward_reads = gen.scores is None and run.reward_fn is not None and run.reward_fn.needs_texts
-    return reward_reads or run.gold is not None
+def _reward_reads_text(run: Run, gen: Generated) -> bool:
+    """Whether this batch's reward reads its responses as text (the gold as reward, the verifier), here."""
+    return gen.scores is None and run.reward_fn is not None and run.reward_fn.needs_texts
 
 
-def _scores(run: Run, gen: Generated, host: ModelInput, inputs: ModelInput, texts: list[str]) -> torch.Tensor:
+def _scores(run: Run, gen: Generated, host: ModelInput, inputs: ModelInput, texts: list[str] | None) -> torch.Tensor:
     """Step 4: one reward per sample (N,) on the learner's device, after the missing-EOS penalty. A reward that
     reads text (the gold judge, the verifier) computes on the host, from the host batch; the proxy RM on the
     device. Whether they are finite is checked with the batch's metrics (rlhf.trainers.readback)."""
@@ -245,7 +244,7 @@ def _scores(run: Run, gen: Generated, host: ModelInput, inputs: ModelInput, text
         scores = gen.scores
     else:
         scores = reward(host, texts) if reward.needs_texts else reward(inputs, texts)
-    scores = scores.to(run.acc.device)
+    scores = scores.to(run.acc.device, non_blocking=True)  # host -> device: no wait for the device's queue
     if c.non_eos_penalty:
         scores = apply_missing_eos_penalty(scores, inputs.has_eos, c.penalty_reward_value)
     return scores
@@ -273,12 +272,12 @@ def _logprobs(run: Run, inputs: ModelInput, gen: Generated, chunk: int = 64):
         elif behaviour:
             logps.append(response_logprobs(run.model, *rows, inputs.context, temperature))
     if gen.ref_logprobs is not None:
-        ref_logp = gen.ref_logprobs.to(run.acc.device)
+        ref_logp = gen.ref_logprobs.to(run.acc.device, non_blocking=True)
     else:
         with run.acc.autocast():  # the reference computes as the policy does (bf16 under mixed precision)
             ref_logp = reference_logprobs(run.ref, inputs, temperature, chunk)
     mask = inputs.response_mask
-    logp = torch.cat(logps) if logps else gen.logprobs.to(run.acc.device)
+    logp = torch.cat(logps) if logps else gen.logprobs.to(run.acc.device, non_blocking=True)
     return logp * mask, ref_logp * mask, torch.cat(values) if values else None
 
 
@@ -308,7 +307,7 @@ def _behaviour_weights(
 def _engine_logprobs(run: Run, gen: Generated, inputs: ModelInput) -> torch.Tensor:
     """The engine's own sampling log-probs (N, T) on the learner's device, 0 on padding: pi_behav of the
     off-policy corrections."""
-    return gen.logprobs.to(run.acc.device) * inputs.response_mask
+    return gen.logprobs.to(run.acc.device, non_blocking=True) * inputs.response_mask
 
 
 def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> list[dict[str, torch.Tensor]]:
@@ -325,15 +324,15 @@ def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> lis
     stats = []
     for _ in range(c.num_ppo_epochs):
         order = torch.randperm(run.sizes.local_batch, generator=run.shuffle)
-        # one gather a tensor an epoch: each micro-batch is then a slice (a view), not a gather of its own
-        on_device = order.to(run.acc.device)
-        shuffled = {k: v[on_device] for k, v in groups.items()}
+        # one gather and one split a tensor an epoch: each micro-batch is then a view, taken with no op of its own
+        on_device = order.to(run.acc.device, non_blocking=True)
+        micro_batches = {k: v[on_device].split(P) for k, v in groups.items()}
         spans = [batch_spans[i] for i in host_list(order)]
         for m in range(c.num_mini_batches):
             for g in range(G):
-                rows = slice((m * G + g) * P, (m * G + g + 1) * P)
-                first, width = micro_batch_columns(spans, range(rows.start, rows.stop), context, T, bucketed)
-                mb = trim_padding({k: v[rows] for k, v in shuffled.items()}, first, width)
+                i = m * G + g
+                first, width = micro_batch_columns(spans, range(i * P, (i + 1) * P), context, T, bucketed)
+                mb = trim_padding({k: v[i] for k, v in micro_batches.items()}, first, width)
                 stats.append(_micro_step(run, mb))
             state.global_step += 1
     return stats
@@ -380,10 +379,10 @@ def log(run: Run, tracker: Tracker, state, t: int, col: Collected, back: Readbac
     row.update(_timings(run, state, col.gen, clock))
     if t % run.cfg.tracking.log_every == 0 or t == run.sizes.num_batches - 1:
         tracker.log(row)
-        if tracker.logs_tables:  # the text is decoded for the completions table only
+        if tracker.logs_tables:
             tok, k = run.tokenizer, run.cfg.train.k
             prompts = [p for p in tok.batch_decode(col.host.prompt_ids, skip_special_tokens=True) for _ in range(k)]
-            tracker.completions(state.episode, prompts, col.texts or col.host.texts(tok), back.scores, back.gold)
+            tracker.completions(state.episode, prompts, texts_of(run, col), back.scores, back.gold)
     return row
 
 

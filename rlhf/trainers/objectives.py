@@ -73,7 +73,7 @@ class Objective(Protocol):
 def _named(prefix: str, stats: dict) -> dict[str, torch.Tensor]:
     """Algorithm stats (0-dim tensors) -> `prefix/name`, detached: still on the device (the loop reads a batch's
     metrics once, rlhf.trainers.readback)."""
-    return {f"{prefix}/{k}": v.detach() for k, v in stats.items()}
+    return {f"{prefix}/{k}": v.detach() if v.requires_grad else v for k, v in stats.items()}  # no op where none is due
 
 
 def _flat(mb: dict[str, torch.Tensor], *names: str) -> list[torch.Tensor]:
@@ -268,15 +268,16 @@ class OnlineDPO:
         seq, attn, pos, mask, ref = _select(mb, names, mb["chosen"], mb["rejected"])  # chosen rows, then rejected
         n = len(mb["valid"])
         logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
-        sums = (logp * mask).sum(1)
-        loss, stats = dpo.dpo_loss(sums[:n], sums[n:], ref[:n], ref[n:], mb["valid"], self.cfg.beta, self.cfg.loss_type)
+        sums = (logp * mask).sum(1).view(2, n)  # chosen, rejected
+        loss, stats = dpo.dpo_loss(*sums, *ref.view(2, n), mb["valid"], self.cfg.beta, self.cfg.loss_type)
+        logps_chosen, logps_rejected = sums.detach().mean(1)
         out = {
             "rewards/chosen": stats["chosen_reward"],
             "rewards/rejected": stats["rejected_reward"],
             "rewards/accuracies": stats["accuracy"],
             "rewards/margins": stats["margin"],
-            "logps/chosen": sums[:n].mean().detach(),
-            "logps/rejected": sums[n:].mean().detach(),
+            "logps/chosen": logps_chosen,
+            "logps/rejected": logps_rejected,
             "loss/policy": loss.detach(),
         }
         return loss, out

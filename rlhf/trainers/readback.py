@@ -44,26 +44,40 @@ def read_batch(run, t: int, col, step_stats: list[dict[str, torch.Tensor]]) -> R
             "objective/entropy": (-r.logp).sum(1).mean(),
             "completions/mean_length": r.response_mask.sum(1).float().mean(),
             "completions/eos_rate": col.inputs.has_eos.float().mean(),
-            BAD_SCORES: (~torch.isfinite(r.scores)).float().sum(),
+            BAD_SCORES: (~torch.isfinite(r.scores)).sum(),
         }
     )
     if r.is_weight is not None:
         stats["policy/is_weight"] = r.is_weight.mean()
-    # the host scores the gold (scikit-learn, or the verifier) while the device runs the update queued before
-    gold = run.gold(col.host, col.texts) if run.gold is not None else None
-    if gold is not None:
-        stats["objective/gold"] = gold.mean()
-    keys = sorted(stats)  # every rank reduces in the same order
+    # the host decodes and scores the gold (scikit-learn, or the verifier) while the device runs the update queued
+    gold = gold_scores(run, col) if run.gold is not None else None
     device = run.acc.device
-    # one stack (promoted to the widest dtype: exact) and one cast, not a conversion a metric
-    local = torch.stack([torch.as_tensor(stats[k], device=device) for k in keys]).float()
+    if gold is not None:
+        stats["objective/gold"] = gold.mean().to(device, non_blocking=True)  # the judge scores on the host
+    keys = sorted(stats)  # every rank reduces in the same order
+    # one stack (promoted to the widest dtype: exact) and one cast, not a conversion a metric; metrics are tensors on
+    # the device already (rlhf.trainers.objectives), so none is converted: even a no-op conversion is an op
+    local = torch.stack([stats[k] for k in keys]).float()
     reduced = run.acc.reduce(local, reduction="mean")
     trail = [(name, s[key]) for s in step_stats for name, key in TRAIL if key in s]  # micro-step order
-    this_rank = [r.scores.float(), torch.stack([v.float().to(device) for _, v in trail]).view(-1)]
+    this_rank = [r.scores, torch.stack([v for _, v in trail])]  # on the device, float (cat promotes: exact)
     values = torch.cat([reduced, *this_rank]).tolist()  # the read
     row, scores = dict(zip(keys, values[: len(keys)])), values[len(keys) : len(keys) + len(r.scores)]
     _check_finite(run, t, row, len(scores), zip([name for name, _ in trail], values[len(keys) + len(scores) :]))
     return Readback(row, scores, None if gold is None else host_list(gold))
+
+
+def gold_scores(run, col) -> torch.Tensor:
+    """The gold of the batch's samples (N,), on the host: the judge reads the responses as text."""
+    return run.gold(col.host, texts_of(run, col))
+
+
+def texts_of(run, col) -> list[str]:
+    """The batch's responses as text, decoded by whichever reads them first (a reward that reads text, the gold, the
+    completions table), then kept: a run whose reward reads tokens and that logs no gold decodes nothing."""
+    if col.texts is None:
+        col.texts = col.host.texts(run.tokenizer)
+    return col.texts
 
 
 def _means(step_stats: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -75,10 +89,11 @@ def _means(step_stats: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     slot = {k: i for i, k in enumerate(keys)}
     where = [slot[k] for s in step_stats for k in s]
     values = torch.stack([v for s in step_stats for v in s.values()]).double()
-    index = torch.tensor(where, device=values.device)
+    index = torch.tensor(where).to(values.device, non_blocking=True)
     sums = torch.zeros(len(keys), dtype=torch.float64, device=values.device).index_add_(0, index, values)
     times = Counter(where)
-    counts = torch.tensor([times[i] for i in range(len(keys))], dtype=torch.float64, device=values.device)
+    counts = torch.tensor([times[i] for i in range(len(keys))], dtype=torch.float64)
+    counts = counts.to(values.device, non_blocking=True)
     return dict(zip(keys, sums / counts))
 
 
