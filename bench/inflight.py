@@ -9,6 +9,8 @@ process pinned to a core of its own), 2 seeds (the pipeline's data, SFT and rewa
 in two regimes:
   tiny        as `make run` trains it (k = 2: the learner is the longer side on 2 cores)
   k8          train.k=8: eight samples a prompt, still one pair trained on each, so the engine's share grows
+  gen         k8 with train.score_in_engine=always: the engine also scores its samples and computes their reference
+              log-probs, the learner only trains: the engine is clearly the longer side (added after k8's runs, below)
 K per regime, by a rule fixed before the runs: round(T x L / G), clipped to [1, T], with T = train.response_length
 and L, G the learner's and the engine's seconds a batch (timing/step minus timing/wait, and timing/generation) in
 that regime's batch_n1 run of the first seed: the step at which the engine, started with the learner, reaches the
@@ -25,6 +27,9 @@ Rules, fixed before any point ran (the commit that adds this file):
       side.
   R2 (each regime): in_flight_n2's mean token staleness is below batch_n2's (2.0), with steady loop seconds at most
       1.05 x batch_n2's.
+  R3 (gen; fixed in the commit that adds the regime, before any of its runs, after tiny's and k8's): R1's test on
+      `gen`: in_flight_n1's mean token staleness below batch_n1's and its steady loop seconds, mean over the two
+      seeds, at most 1.05 x batch_n1's. (R2 applies to `gen` too.)
   Expected, not a rule: in `tiny`, in_flight_n1 is slower than batch_n1 (the learner waits for the steps after the
   swap, which only the longer side can hide), unless K = T (no swap: batch_n1 itself).
 Writes bench/metrics/inflight.json (`<regime>/<run>/seed<i>/<metric>`, the summary and the rules' outcomes; a DVC
@@ -36,6 +41,7 @@ metrics file) and prints a table per regime.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -45,7 +51,7 @@ from common import column_sum, cpu_flags, positive_int, run_main, scratch_data
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "metrics" / "inflight.json"
-REGIMES = {"tiny": (), "k8": ("train.k=8",)}
+REGIMES = {"tiny": (), "k8": ("train.k=8",), "gen": ("train.k=8", "train.score_in_engine=always")}
 ASYNC = ("train.engine=vllm_async",)
 IN_FLIGHT = "train.weight_updates=in_flight"
 RUNS = {  # name -> (settings, torch threads)
@@ -161,14 +167,18 @@ def main() -> int:
     if unknown := sorted(set(regimes) - set(REGIMES)):
         ap.error(f"--regimes: unknown {unknown}; choose among {list(REGIMES)}")
     seeds = [1234 + i for i in range(args.seeds)]
-    out = {"cpu_flags": cpu_flags(), "seeds": seeds}
+    # the regimes run now replace theirs in the file; the others' stay (run at other times: their own cpu_flags)
+    previous = json.loads(OUT.read_text()) if OUT.exists() else {}
+    out = {k: v for k, v in previous.items() if k.split("/")[0] not in regimes}
+    out.update({"cpu_flags": cpu_flags(), "seeds": seeds})
     for regime in regimes:
-        results = run_regime(regime, seeds)
+        results = {**run_regime(regime, seeds), "cpu_flags": cpu_flags()}
         print(table(regime, results))
         out[regime] = results
         out[f"{regime}/R2_in_flight_n2_vs_batch_n2"] = verdict(results, "in_flight_n2", "batch_n2")
-        if regime == "k8":
-            out["k8/R1_in_flight_n1_vs_batch_n1"] = verdict(results, "in_flight_n1", "batch_n1")
+        if regime in ("k8", "gen"):
+            rule = "R1" if regime == "k8" else "R3"
+            out[f"{regime}/{rule}_in_flight_n1_vs_batch_n1"] = verdict(results, "in_flight_n1", "batch_n1")
     for key, value in out.items():
         if key.endswith(("_n1", "_n2")):
             print(f"{key}: {'PASSES' if value['passes'] else 'FAILS'} {value}")
