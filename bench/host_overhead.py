@@ -198,10 +198,7 @@ def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
     model_time.wrap(loop, "_clip_gradients")
     judge_time = ModelTime(counter)  # the gold judge: timed apart and left out (module docstring)
     if run.gold is not None:
-        from rlhf.trainers import readback
-
-        # with its decoding of the responses, where the loop decodes for the judge alone (after the update is queued)
-        judge_time.wrap(*((readback, "gold_scores") if hasattr(readback, "gold_scores") else (run, "gold")))
+        judge_time.wrap(*_gold_call(run))
     for name in ("step", "zero_grad"):
         model_time.wrap(run.optimizer, name)
     phases: Counter = Counter()
@@ -243,6 +240,16 @@ def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
         "sync_sites": dict(sorted(counter.sites.items())),
         "library_sync_sites": dict(counter.library_sites.most_common(8)),
     }
+
+
+def _gold_call(run) -> tuple:
+    """(owner, name) of the loop's call of the gold judge: with its decoding of the responses where the loop decodes
+    for the judge alone, after the update is queued (readback.gold_scores); the judge's own call before that."""
+    try:
+        from rlhf.trainers import readback
+    except ImportError:  # the code before issue 56
+        return run, "gold"
+    return (readback, "gold_scores") if hasattr(readback, "gold_scores") else (run, "gold")
 
 
 def dispatched(prof, updates: int) -> dict:
