@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -74,6 +75,21 @@ def _is_cpu_move(func, args, kwargs) -> bool:
     return False
 
 
+def _is_blocking_upload(func, args, kwargs) -> bool:
+    """A copy from the host to the device that waits: `t.to(device)` of a CPU tensor without non_blocking=True, or
+    `torch.tensor(data, device=device)`. On CUDA, PyTorch synchronises the stream after such a copy: the host waits
+    for every kernel queued before it, as at a read."""
+    if func is torch.tensor or func is torch.as_tensor:
+        target = kwargs.get("device")
+        on_host = not isinstance(args[0], torch.Tensor) or args[0].device.type == "cpu"
+        return on_host and target is not None and torch.device(target).type == "meta"
+    if func is not torch.Tensor.to or args[0].device.type != "cpu":
+        return False
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    waits = not kwargs.get("non_blocking", any(a is True for a in args[2:]))
+    return isinstance(target, (str, torch.device)) and torch.device(target).type == "meta" and waits
+
+
 class DeviceAudit(TorchFunctionMode):
     """Audits every torch op; `on_device` counts the ops that ran on the training device: a run whose tensors never
     reached it (the device setting ignored, everything on the CPU) would pass the audit with none."""
@@ -83,11 +99,14 @@ class DeviceAudit(TorchFunctionMode):
     def __init__(self):
         super().__init__()
         self.on_device = 0
+        self.blocking_copies: Counter[str] = Counter()  # project line -> host-to-device copies that wait
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         self.on_device += any(t.is_meta for t in tensors)
+        if _is_blocking_upload(func, args, kwargs):
+            self.blocking_copies[_where()] += 1
         if func is torch.Tensor.numpy and tensors[0].is_meta:  # as CUDA does: numpy() reads host memory only
             raise DeviceMismatch(f"numpy() of a tensor on the device (call .cpu() first) at {_where()}")
         if func in _TO_PYTHON and tensors and tensors[0].is_meta:

@@ -51,9 +51,14 @@ def test_the_loop_keeps_every_tensor_on_the_training_device(ci_data, settings):
 
 def assert_ran_on_the_device(final: dict, audit) -> None:
     """The run went to its end, and its models and batches were on the training device: 5,000-11,000 ops there
-    (ci, 16 episodes); with the device setting ignored, 552 (transformers builds models on `meta` before loading)."""
+    (ci, 16 episodes); with the device setting ignored, 552 (transformers builds models on `meta` before loading).
+    No copy from the host in the project's code waited for the device (on CUDA a blocking upload synchronises the
+    stream): seen failing before the uploads were made non-blocking, at the batch's move (rlhf/models/batch.py),
+    each epoch's prompt order (rlhf/trainers/loop.py) and the HF engine's prompts (rlhf/generation/hf.py)."""
     assert final["episodes"] == 16 and final["optimizer_steps"] > 0, final
     assert audit.on_device > 2500, audit.on_device
+    ours = {site: n for site, n in audit.blocking_copies.items() if site.startswith("rlhf/")}
+    assert not ours, ours
 
 
 VLLM = [

@@ -163,7 +163,9 @@ class HFEngine:
         prompts, p = self._queue.popleft()
         start = time.perf_counter()
         # k rows a prompt, prompt-major (greedy `generate` takes no num_return_sequences)
-        ids, mask = (t.repeat_interleave(p.k, 0).to(self.device) for t in pad_left(prompts, self.pad_token_id))
+        ids, mask = (
+            t.repeat_interleave(p.k, 0).to(self.device, non_blocking=True) for t in pad_left(prompts, self.pad_token_id)
+        )
         was_training = self.model.training
         self.model.eval()
         sampler, config = _GumbelMaxSampler(p.temperature), self._greedy(p)
