@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.algorithms.common import first_true_indices, masked_mean, masked_means
+from rlhf.algorithms.common import first_true_indices, masked_mean, masked_means, masked_var
 
 
 def token_rewards(
@@ -61,6 +61,17 @@ def gae(
     return advantages, returns
 
 
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(returns - values) / Var(returns) over the real tokens: the share of the returns' variance the critic's
+    values explain (1 all, 0 no better than their mean, < 0 worse).
+
+    Source: CleanRL ppo.py (`explained_var`, once per batch, of the rollout's values). Shapes: values, returns (N, T),
+    mask (N, T) bool -> () float.
+    """
+    var_returns = masked_var(returns, mask, unbiased=False)
+    return 1 - masked_var(returns - values, mask, unbiased=False) / (var_returns + 1e-8)
+
+
 MAX_LOG_RATIO = 20.0
 
 
@@ -84,12 +95,12 @@ def policy_loss(
     """
     # Zero padded inputs first: garbage (even inf/NaN) there can then reach neither the loss nor its gradient.
     log_ratio = torch.where(mask, logp, 0.0) - torch.where(mask, old_logp, 0.0)
-    advantages = torch.where(mask, advantages, 0.0)
+    neg_advantages = torch.where(mask, -advantages, 0.0)
     # exp() overflows fp32 past a log-ratio of ~88: inf * 0 in the backward of the clipped branch is a NaN
     # gradient. Capped at MAX_LOG_RATIO (r ~ 5e8, far outside any clip range) the loss and gradient stay finite.
     ratio = torch.exp(log_ratio.clamp(max=MAX_LOG_RATIO))
-    pg_losses = -advantages * ratio
-    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_losses = neg_advantages * ratio
+    pg_losses_clipped = neg_advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     surrogate = torch.maximum(pg_losses, pg_losses_clipped)
     if weights is not None:
         surrogate = torch.where(mask, weights, 0.0) * surrogate

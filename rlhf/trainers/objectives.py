@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from rlhf.algorithms import bok, dpo, grpo, ppo, rloo
-from rlhf.algorithms.common import kl_penalty, masked_mean, masked_whiten
+from rlhf.algorithms.common import kl_penalty, masked_whiten
 from rlhf.config import TrainConfig
 from rlhf.models.forward import response_logprobs, response_logprobs_and_values
 
@@ -127,6 +127,8 @@ class PPO:
         if c.whiten_rewards:
             rewards = masked_whiten(rewards, r.response_mask, shift_mean=False)
         advantages, returns = ppo.gae(rewards, r.values, r.response_mask, c.gamma, c.lam)
+        # of the rollout's values, once a batch (CleanRL): not per micro-step, ~20 ops each
+        stats["val/explained_variance"] = ppo.explained_variance(r.values, returns, r.response_mask)
         advantages = r.weighted(masked_whiten(advantages, r.response_mask))
         groups = r.grouped(
             old_logp=r.logp, old_values=r.values, advantages=advantages, returns=returns, **r.decoupled()
@@ -141,16 +143,9 @@ class PPO:
         logp, values = response_logprobs_and_values(model, seq, attn, pos, context, self.cfg.temperature)
         pg_loss, pg_stats = ppo.policy_loss(logp, old_logp, adv, mask, self.cfg.cliprange, _behaviour_weights(mb))
         vf_loss, vf_stats = ppo.value_loss(values, old_values, ret, mask, self.cfg.cliprange_value)
-        var_ret = masked_mean((ret - masked_mean(ret, mask)) ** 2, mask)
-        explained = 1 - masked_mean((ret - values.detach()) ** 2, mask) / (var_ret + 1e-8)
         stats = _named("policy", pg_stats)
         stats.update(
-            {
-                "loss/policy": pg_loss.detach(),
-                "loss/value": vf_loss.detach(),
-                "val/clipfrac": vf_stats["clipfrac"],
-                "val/explained_variance": explained.detach(),
-            }
+            {"loss/policy": pg_loss.detach(), "loss/value": vf_loss.detach(), "val/clipfrac": vf_stats["clipfrac"]}
         )
         return pg_loss + self.cfg.vf_coef * vf_loss, stats
 

@@ -3,7 +3,7 @@ import math
 import torch
 from torch.testing import assert_close
 
-from rlhf.algorithms.ppo import gae, policy_loss, token_rewards, value_loss
+from rlhf.algorithms.ppo import explained_variance, gae, policy_loss, token_rewards, value_loss
 
 F64 = torch.float64
 NAN, INF = float("nan"), float("inf")
@@ -202,3 +202,15 @@ def test_an_overflowing_ratio_keeps_the_loss_and_its_gradient_finite():
     logp = torch.tensor([[1.0, 0.0]])
     loss, _ = policy_loss(logp, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), 0.2)
     assert_close(loss, torch.tensor(-(1.2 + 1.0) / 2))
+
+
+def test_explained_variance_by_hand_and_padding_ignored():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 99.0], [4.0, 5.0, 6.0, -99.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, False]])
+    real = returns[mask]
+    assert_close(explained_variance(returns, returns, mask), torch.tensor(1.0))  # perfect critic
+    constant = torch.full_like(returns, float(real.mean()))
+    assert_close(explained_variance(constant, returns, mask), torch.tensor(0.0), atol=1e-6, rtol=0)  # only the mean
+    off = returns + torch.tensor([[1.0, -1.0, 0.0, 7.0], [0.0, 1.0, -1.0, 7.0]])  # residual variance 2/3 of 6 tokens
+    expected = 1 - torch.tensor([1.0, -1.0, 0.0, 0.0, 1.0, -1.0]).var(unbiased=False) / real.var(unbiased=False)
+    assert_close(explained_variance(off, returns, mask), expected)
