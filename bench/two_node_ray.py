@@ -331,8 +331,15 @@ def main() -> int:
     if args.command == "up":
         nodes = TwoNodes(folder).start()  # its `ray start --block` processes outlive this one
         (folder / "nodes.json").write_text(json.dumps({name: p.pid for name, p in nodes.nodes.items()}))
-        env = nodes.env()
-        for key in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "PYTHONPATH"):
+        # the learner needs the first four; Ray's own CLI (`ray status`) the last too, to keep loopback as it is
+        env = {**nodes.env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        for key in (
+            "RAY_ADDRESS",
+            "RAY_AUTH_MODE",
+            "RAY_AUTH_TOKEN_PATH",
+            "PYTHONPATH",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+        ):
             print(f"export {key}={env[key]}")
     elif args.command == "down":
         leaders = json.loads((folder / "nodes.json").read_text()).values()

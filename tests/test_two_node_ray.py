@@ -66,6 +66,7 @@ def test_engines_on_the_engine_node_stop_in_seconds_when_it_is_lost_and_resume_e
             assert rc == 1 and stopped < 15 and "Traceback" not in out, (rc, stopped, out[-3000:])
             [error] = [line for line in out.splitlines() if line.startswith("rlhf train: error:")]
             assert f"vLLM engine actor 0 on node 127.0.0.1 {engine_node}, pid " in error, error
+            print(f"\n{sync}\nthe engine node killed: the learner stopped {stopped:.2f} s later: {error}")
 
             new_node = nodes.start_engine_node()[:12]
             rc, out = run(killed, nodes, tmp_path / "resumed.log")

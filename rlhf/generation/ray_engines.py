@@ -6,7 +6,7 @@ close), so staleness, checkpoints of the weights in flight and scoring are the a
 - Build(spec): every actor builds its engine (and scorer); Ready(seconds of the slowest) once all have.
 - Weights(SharedWeights, version): one copy goes into Ray's object store (numpy buffers: actors on the
   learner's node read them without a copy, other nodes fetch them once) and every actor loads it; Ack(version)
-  once all have. No shared filesystem is needed.
+  once all have. No shared filesystem is needed. The put and each actor's fetch are timed: one line at close.
 - Generate(batch, prompts, params, score, parts): the prompts are cut into E contiguous slices, slice e to actor
   e, which seeds prompt i of the batch as a single engine would (rlhf.generation.vllm.request_seed), so a run is
   reproducible for a fixed E; the slices come back as one Result, in prompt order.
@@ -16,11 +16,13 @@ is sampled with the same version, the newest loaded when the actor starts it: >=
 In-flight updates (spec.in_flight_step): batch b >= N's slices are begun (`generate` up to that decode step), the
 next version's `load(..., in_flight=True)` follows when the trainer sends it, then `finish`: the same order on every
 actor, so every slice takes the update at the same step, as the engine process does (engine_process.in_flight_swap).
-Faults: an actor that dies (killed, node lost, out of memory) or raises fails the trainer's next receive with a
-RuntimeError naming the actor, its node and pid, within a poll (~0.5 s). Actors are not restarted.
+Faults: an actor that dies (killed, out of memory), becomes unreachable (its node lost: ~2-3 s after a node was
+SIGKILLed here) or raises fails the trainer's next receive with a RuntimeError naming the actor, its node (IP and
+id) and pid. Actors are not restarted.
 Cluster: with RAY_ADDRESS set, ray.init joins that cluster; else the first RayEngines of the process starts a local
 one bound to 127.0.0.1 (no dashboard; its files in .cache/ray), stopped when the last RayEngines on it closes: its
-GCS, raylet and monitors took ~half a core of a 2-core box even with no actor left.
+GCS, raylet and monitors took ~half a core of a 2-core box even with no actor left. Placement: Ray's, or only
+nodes with a custom resource (train.engine_resource; one line says where each actor and the learner run).
 GPU (reasoned, not run: docs/scale-out.md): an engine on a GPU asks Ray for one (num_gpus=1) and runs vLLM there;
 weights still travel through host memory, where an NCCL broadcast from the learner would replace the object store.
 """
@@ -32,27 +34,15 @@ import os
 import socket
 import sys
 import time
-import warnings
 from collections import deque
 from typing import NamedTuple
 
 import numpy as np
 import psutil
-import torch
 
 from rlhf.generation.base import Generated
-from rlhf.generation.engine_process import (
-    Ack,
-    Build,
-    EngineClock,
-    Generate,
-    Ready,
-    Result,
-    Weights,
-    engine_cores,
-    pin_to_core,
-)
-from rlhf.generation.weights import SharedWeights
+from rlhf.generation.engine_process import Ack, Build, Generate, Ready, Result, Weights, engine_cores
+from rlhf.generation.ray_actor import EngineActor, pack_weights
 from rlhf.runtime import CACHE, OFFLINE_ENV, give_back_cores, keep_off_cores, visible_gpus
 
 # On a slow or loaded machine the raylet gives up on its dashboard agent after a fixed 15 s and the node fails to
@@ -145,78 +135,6 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
             f"RAY_ADDRESS={address}: no Ray cluster answers there ({err.strerror or err}); start one "
             "(`ray start --head`, docs/scale-out.md) or unset RAY_ADDRESS for a local cluster"
         ) from None
-
-
-class EngineActor:
-    """One engine in a Ray worker: a VLLMEngine and its scorer. Ray runs its calls one at a time, in order."""
-
-    def __init__(self, core: int | None):
-        pin_to_core(core)
-        from rlhf.generation.engine_process import import_ahead
-
-        import_ahead("cuda" if torch.cuda.is_available() else "cpu")  # while the trainer imports and loads
-        self.engine = self.scorer = None
-        self.clock = EngineClock()
-
-    def build(self, spec) -> tuple[float, str, int, str]:
-        """(start-up seconds, node IP, pid, node id) once the engine is built."""
-        import ray
-
-        from rlhf.generation.engine_build import build
-
-        self.engine, self.scorer = build(spec, "cuda:0" if spec.device.startswith("cuda") else "cpu")
-        self.clock.free()
-        node = ray.get_runtime_context().get_node_id()
-        return self.engine.start_seconds, ray.util.get_node_ip_address(), os.getpid(), node
-
-    def load(self, box: list, version: int, in_flight: bool = False) -> tuple[int, float]:
-        """Take weight version `version` ((version, seconds its fetch took)); box: [its ObjectRef], fetched here
-        rather than by Ray before the call, so that the fetch (across nodes: one object store to another) is
-        timed; in_flight: in the middle of a batch (`generate` with `until`, then `finish`)."""
-        import ray
-
-        self.clock.busy()
-        start = time.perf_counter()
-        packed = ray.get(box[0])
-        fetched = time.perf_counter() - start
-        self.clock.reload += self.engine.reload(unpack_weights(packed), version, in_flight)
-        self.clock.free()
-        return version, fetched
-
-    def generate(self, work: Generate, first: int, until: int | None = None) -> Result | None:
-        """sample_and_score's Result for this engine's slice of the batch; with `until` (an in-flight update), only
-        its decode steps before `until`: the next calls are `load(..., in_flight=True)` and `finish`."""
-        from rlhf.generation.engine_process import sample_and_score
-
-        self.clock.busy()
-        if until is None:
-            result = sample_and_score(self.engine, self.scorer, work, self.clock, first)
-        else:
-            result = self.engine.begin(work.prompts, work.params, work.batch, first, until)
-        self.clock.free()
-        return result
-
-    def finish(self, work: Generate) -> Result:
-        """The rest of the batch `generate(..., until)` began, scored: its Result."""
-        from rlhf.generation.engine_process import scored
-
-        self.clock.busy()
-        result = scored(self.engine.finish(), self.scorer, work, self.clock)
-        self.clock.free()
-        return result
-
-
-def pack_weights(weights: SharedWeights) -> tuple:
-    """(dtype name -> numpy buffer, layout): numpy has no bfloat16, so those buffers travel as int16."""
-    arrays = {d: (b.view(torch.int16) if b.dtype == torch.bfloat16 else b).numpy() for d, b in weights.buffers.items()}
-    return arrays, weights.layout
-
-
-def unpack_weights(packed: tuple) -> SharedWeights:
-    arrays, layout = packed
-    with warnings.catch_warnings():  # the object store's arrays are read-only; vLLM only copies from them
-        warnings.simplefilter("ignore", UserWarning)
-        return SharedWeights({d: torch.from_numpy(a).view(getattr(torch, d)) for d, a in arrays.items()}, layout)
 
 
 def slices(n: int, engines: int) -> list[tuple[int, int]]:
