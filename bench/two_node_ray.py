@@ -73,7 +73,7 @@ main()
 
 class TwoNodes:
     """The head node and the engine node, each a `ray start --block` in a session of its own, so that stopping (or
-    killing) a node is signalling its process group: the raylet, its object store, workers and agents with it."""
+    killing) a node is signalling its session: the raylet, its object store, workers and agents with it."""
 
     def __init__(self, folder: Path, engine_cpus: int = 1):
         self.folder = folder.resolve()
@@ -97,20 +97,25 @@ class TwoNodes:
             token.chmod(0o600)
         port = free_port()
         self.address = f"127.0.0.1:{port}"
-        # A dashboard port and Ray client server port of their own: the defaults (8265, 10001) may be another
-        # cluster's on this machine.
+        # Ports of its own for Ray's client server, dashboard and dashboard agent: their defaults (10001, 8265,
+        # 52365) may be another cluster's on this machine, and the agent's is the engine node's too.
         head = [
             *("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false"),
             *(f"--ray-client-server-port={free_port()}", f"--dashboard-port={free_port()}"),
+            f"--dashboard-agent-listen-port={free_port()}",
             f"--temp-dir={self.folder / 'head'}",
         ]
         self._start("head", [str(Path(sys.executable).parent / "ray"), "start", *head, *NODE_FLAGS])
-        self.start_engine_node()
+        try:
+            self.start_engine_node()
+        except BaseException:  # a half-made cluster is stopped: nothing else would
+            self.stop()
+            raise
         return self
 
     def start_engine_node(self) -> str:
         """Start the engine node (again, after a kill: a new node); returns once it is in the cluster, its node id."""
-        # Its own temp dir, raylet port and dashboard agent port (the default 52365 is the head's).
+        # Its own temp dir and dashboard agent port; Ray picks its raylet's and object manager's ports.
         engine = [
             f"--address={self.address}",
             f"--num-cpus={self.engine_cpus}",

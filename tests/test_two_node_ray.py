@@ -4,7 +4,7 @@ engine node started with the custom resource `engine`, each a raylet with its ow
 The learner asks for it (train.engine_resource=engine), so its engine actor runs there and every weight version
 crosses from the head's object store to the engine node's.
 
-One test, three runs on `ci` (~2 min in all, ~15 s of it the cluster's start): the run the others are compared with;
+One test, three runs on `ci` (~85 s in all, ~10 s of it the cluster's start): the run the others are compared with;
 one whose engine node is SIGKILLed (every process of it) mid-run, which must stop within seconds in one line naming
 that node; the same run again once a new engine node joined, which must resume to the first run's results exactly.
 Exact is also the replay check: the resumed run's batches before the kill were sampled and trained by another
