@@ -16,7 +16,7 @@ is sampled with the same version, the newest loaded when the actor starts it: >=
 In-flight updates (spec.in_flight_step): batch b >= N's slices are begun (`generate` up to that decode step), the
 next version's `load(..., in_flight=True)` follows when the trainer sends it, then `finish`: the same order on every
 actor, so every slice takes the update at the same step, as the engine process does (engine_process.in_flight_swap).
-Faults: an actor that dies (killed, out of memory), becomes unreachable (its node lost: ~2-3 s after a node was
+Faults: an actor that dies (killed, out of memory), becomes unreachable (its node lost: 1.8-3.0 s after a node was
 SIGKILLed here) or raises fails the trainer's next receive with a RuntimeError naming the actor, its node (IP and
 id) and pid. Actors are not restarted.
 Cluster: with RAY_ADDRESS set, ray.init joins that cluster; else the first RayEngines of the process starts a local
