@@ -73,12 +73,16 @@ def test_overrides_keep_types_and_reach_nested_keys():
         ("train.weight_updates=in_flight", "train.weight_updates: in_flight updates the weights of an engine that"),
         ("train.in_flight_step=4", "train.in_flight_step applies to in-flight updates: set train.weight_updates"),
         ("train.weight_updates=eventually", "train.weight_updates: Input should be 'between_batches' or 'in_flight'"),
+        ("train.engine_resource=engine", "train.engine_resource: engine places Ray actors: it needs train.engine"),
+        ("train.engine_resource=a b", "train.engine_resource: String should match pattern"),
+        ("train.engine_resource=CPU", "train.engine_resource: CPU is one of Ray's own resources, which every engine"),
     ],
 )
 def test_bad_values_fail_at_load_time_naming_the_key(override, message):
     engine = ["train.engine=vllm"] if "vLLM's CPU" in message else []
     engine += ["train.trainer=online_dpo_vllm"] if "vllm_async" in message else []
     engine += ["train.trainer=ppo"] if "ppo samples" in message else []
+    engine += ["train.trainer=online_dpo_vllm", "train.engine_backend=ray"] if "Ray's own" in message else []
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config(PARAMS, "ci", [override, *engine])
 

@@ -252,6 +252,12 @@ def test_settings_this_machine_cannot_run_are_refused_before_any_process_starts(
     assert "each asking for a GPU, on a local cluster that has 3" in refused(8, world=5, **ray)
     check_runnable_here(TrainConfig(trainer="online_dpo_vllm", **ray), 0, 2, "10.0.0.1:6379")  # a cluster's own count
     check_runnable_here(TrainConfig(trainer="online_dpo_vllm", **ray), 9, 2, None)  # 8 spare GPUs
+    # engines asking for a custom resource: only a joined cluster's nodes can have it (tests/test_two_node_ray.py)
+    marked = dict(engine_backend="ray", engine_resource="engine")
+    assert "train.engine_resource: engine marks engine nodes of a Ray cluster to join, and RAY_ADDRESS is not set" in (
+        refused(0, **marked)
+    )
+    check_runnable_here(TrainConfig(trainer="online_dpo_vllm", **marked), 0, 2, "10.0.0.1:6379")
 
 
 def test_the_cli_refuses_a_cuda_engine_device_without_cuda_in_one_line(tmp_path):

@@ -259,6 +259,13 @@ class TrainConfig(_Section):
     num_engines: int = Field(
         1, ge=1, description="E: vLLM engines (engine_backend ray), each sampling a slice of every batch's prompts"
     )
+    engine_resource: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_.-]*$",
+        description="engine_backend ray: each engine actor also asks Ray for one unit of this custom resource, so the "
+        "engines run only on the nodes started with it (`ray start --resources='{\"<name>\": E}'`: the engine "
+        "nodes); needs a joined cluster (RAY_ADDRESS) that has E units; null = wherever Ray has a free CPU/GPU",
+    )
     score_in_engine: Literal["auto", "always", "never"] = Field(
         "auto",
         description="vllm_async: score batches and compute their reference log-probs in the engine process "
@@ -364,6 +371,15 @@ class TrainConfig(_Section):
             raise ValueError(f"train.engine_backend: ray runs vllm_async engines, not {engine} (set train.engine)")
         if self.num_engines > 1 and self.engine_backend != "ray":
             raise ValueError(f"train.num_engines: {self.num_engines} engines need train.engine_backend: ray")
+        if self.engine_resource is not None and self.engine_backend != "ray":
+            raise ValueError(
+                f"train.engine_resource: {self.engine_resource} places Ray actors: it needs train.engine_backend: ray"
+            )
+        if self.engine_resource in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ValueError(
+                f"train.engine_resource: {self.engine_resource} is one of Ray's own resources, which every engine "
+                "already asks for; name a custom resource the engine nodes were started with"
+            )
         if self.weight_updates == "in_flight" and not kind.samples_ahead:
             raise ValueError(
                 "train.weight_updates: in_flight updates the weights of an engine that samples ahead (train.engine "

@@ -135,13 +135,16 @@ def _average(old: float | None, new: float) -> float:
     return new if old is None else 0.7 * old + 0.3 * new
 
 
-def start_engine(where, max_staleness: int, backend: str = "process", num_engines: int = 1):
+def start_engine(
+    where, max_staleness: int, backend: str = "process", num_engines: int = 1, resource: str | None = None
+):
     """The channel to an async engine placed as `where` says (factory.Placement), starting now: its own process
-    (EngineProcess), or `num_engines` Ray actors (rlhf.generation.ray_engines.RayEngines)."""
+    (EngineProcess), or `num_engines` Ray actors (rlhf.generation.ray_engines.RayEngines), each also asking for one
+    unit of Ray resource `resource` (train.engine_resource) when given."""
     if backend == "ray":
         from rlhf.generation.ray_engines import RayEngines
 
-        return RayEngines(where.device, max_staleness, num_engines, where.ray_gpus)
+        return RayEngines(where.device, max_staleness, num_engines, where.ray_gpus, resource)
     if backend != "process" or num_engines != 1:
         raise ValueError(f"an engine process is one engine (backend process), got {num_engines} on {backend!r}")
     return EngineProcess(where.device, max_staleness)

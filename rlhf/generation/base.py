@@ -70,6 +70,7 @@ class EngineSpec:
     score: str = "never"  # train.score_in_engine where it applies: never, auto or always
     backend: str = "process"  # an engine in its own process: "process", or Ray actors ("ray")
     num_engines: int = 1  # Ray actors sampling slices of each batch
+    resource: str | None = None  # train.engine_resource: the custom Ray resource each actor also asks for
     # train.weight_updates in_flight: the decode step of a batch at which the engine takes the next weight version
     # (rlhf.generation.engine_process.in_flight_swap); None: weights change between batches only
     in_flight_step: int | None = None

@@ -57,6 +57,12 @@ def check_runnable_here(c, gpus: int, cpus: int, ray_address: str | None, world:
         if index >= gpus:
             seen = "no CUDA device" if gpus == 0 else f"{gpus} CUDA device(s), cuda:0 to cuda:{gpus - 1}"
             raise ValueError(f"train.engine_device: {c.engine_device}, but this machine has {seen}; use auto or cpu")
+    if c.engine_backend == "ray" and ray_address is None and c.engine_resource is not None:
+        raise ValueError(
+            f"train.engine_resource: {c.engine_resource} marks engine nodes of a Ray cluster to join, and RAY_ADDRESS "
+            'is not set (a local cluster has no custom resource): set RAY_ADDRESS (docs/scale-out.md, "Two nodes") '
+            "or unset train.engine_resource"
+        )
     if c.engine_backend == "ray" and ray_address is None:
         on_gpus = c.engine_device.startswith("cuda") or (c.engine_device == "auto" and gpus > 0)
         room, what = (len(spare_gpus(world, gpus)), "GPU") if on_gpus else (cpus, "CPU")
@@ -107,5 +113,5 @@ def make_engine(spec: EngineSpec, process=None) -> Engine:
         return VLLMEngine(Path(spec.model_folder), gpu_memory_utilization=memory, device=spec.device, **common)
     from rlhf.generation.async_engine import AsyncEngine, start_engine
 
-    process = process or start_engine(spec.where, spec.lookahead, spec.backend, spec.num_engines)
+    process = process or start_engine(spec.where, spec.lookahead, spec.backend, spec.num_engines, spec.resource)
     return AsyncEngine(spec, process)

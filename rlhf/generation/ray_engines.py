@@ -6,7 +6,7 @@ close), so staleness, checkpoints of the weights in flight and scoring are the a
 - Build(spec): every actor builds its engine (and scorer); Ready(seconds of the slowest) once all have.
 - Weights(SharedWeights, version): one copy goes into Ray's object store (numpy buffers: actors on the
   learner's node read them without a copy, other nodes fetch them once) and every actor loads it; Ack(version)
-  once all have. No shared filesystem is needed.
+  once all have. No shared filesystem is needed. The put and each actor's fetch are timed: one line at close.
 - Generate(batch, prompts, params, score, parts): the prompts are cut into E contiguous slices, slice e to actor
   e, which seeds prompt i of the batch as a single engine would (rlhf.generation.vllm.request_seed), so a run is
   reproducible for a fixed E; the slices come back as one Result, in prompt order.
@@ -16,11 +16,13 @@ is sampled with the same version, the newest loaded when the actor starts it: >=
 In-flight updates (spec.in_flight_step): batch b >= N's slices are begun (`generate` up to that decode step), the
 next version's `load(..., in_flight=True)` follows when the trainer sends it, then `finish`: the same order on every
 actor, so every slice takes the update at the same step, as the engine process does (engine_process.in_flight_swap).
-Faults: an actor that dies (killed, node lost, out of memory) or raises fails the trainer's next receive with a
-RuntimeError naming the actor, its node and pid, within a poll (~0.5 s). Actors are not restarted.
+Faults: an actor that dies (killed, out of memory), becomes unreachable (its node lost: 1.8-3.0 s after a node was
+SIGKILLed here) or raises fails the trainer's next receive with a RuntimeError naming the actor, its node (IP and
+id) and pid. Actors are not restarted.
 Cluster: with RAY_ADDRESS set, ray.init joins that cluster; else the first RayEngines of the process starts a local
 one bound to 127.0.0.1 (no dashboard; its files in .cache/ray), stopped when the last RayEngines on it closes: its
-GCS, raylet and monitors took ~half a core of a 2-core box even with no actor left.
+GCS, raylet and monitors took ~half a core of a 2-core box even with no actor left. Placement: Ray's, or only
+nodes with a custom resource (train.engine_resource; one line says where each actor and the learner run).
 GPU (reasoned, not run: docs/scale-out.md): an engine on a GPU asks Ray for one (num_gpus=1) and runs vLLM there;
 weights still travel through host memory, where an NCCL broadcast from the learner would replace the object store.
 """
@@ -32,27 +34,15 @@ import os
 import socket
 import sys
 import time
-import warnings
 from collections import deque
 from typing import NamedTuple
 
 import numpy as np
 import psutil
-import torch
 
 from rlhf.generation.base import Generated
-from rlhf.generation.engine_process import (
-    Ack,
-    Build,
-    EngineClock,
-    Generate,
-    Ready,
-    Result,
-    Weights,
-    engine_cores,
-    pin_to_core,
-)
-from rlhf.generation.weights import SharedWeights
+from rlhf.generation.engine_process import Ack, Build, Generate, Ready, Result, Weights, engine_cores
+from rlhf.generation.ray_actor import EngineActor, pack_weights
 from rlhf.runtime import CACHE, OFFLINE_ENV, give_back_cores, keep_off_cores, visible_gpus
 
 # On a slow or loaded machine the raylet gives up on its dashboard agent after a fixed 15 s and the node fails to
@@ -71,9 +61,12 @@ def start_cluster(gpus: tuple[int, ...] | None = None) -> bool:
 
     if ray.is_initialized():
         return _local_users > 0
-    if "RAY_ADDRESS" not in os.environ:
+    address = os.environ.get("RAY_ADDRESS")
+    if address is None or address.removeprefix("ray://").startswith(("127.0.0.1:", "localhost:")):
         # A node of no cluster takes 127.0.0.1 as its address and every server binds to it, not to all interfaces
-        # (rlhf.runtime sets the variable behind this flag too; vLLM may have imported ray before we could).
+        # (rlhf.runtime sets the variable behind this flag too; vLLM may have imported ray before we could). A
+        # cluster on this machine's loopback is dialled there: with the flag on, Ray swaps a loopback address for
+        # the host's routable IP, where such a cluster does not listen.
         ray_constants.ENABLE_RAY_CLUSTER = False
     env = {"env_vars": {k: os.environ[k] for k in OFFLINE_ENV if k in os.environ}}
     if "RAY_ADDRESS" in os.environ:
@@ -144,71 +137,6 @@ def _check_reachable(address: str, timeout: float = 5.0) -> None:
         ) from None
 
 
-class EngineActor:
-    """One engine in a Ray worker: a VLLMEngine and its scorer. Ray runs its calls one at a time, in order."""
-
-    def __init__(self, core: int | None):
-        pin_to_core(core)
-        from rlhf.generation.engine_process import import_ahead
-
-        import_ahead("cuda" if torch.cuda.is_available() else "cpu")  # while the trainer imports and loads
-        self.engine = self.scorer = None
-        self.clock = EngineClock()
-
-    def build(self, spec) -> tuple[float, str, int]:
-        """(start-up seconds, node IP, pid) once the engine is built."""
-        import ray
-
-        from rlhf.generation.engine_build import build
-
-        self.engine, self.scorer = build(spec, "cuda:0" if spec.device.startswith("cuda") else "cpu")
-        self.clock.free()
-        return self.engine.start_seconds, ray.util.get_node_ip_address(), os.getpid()
-
-    def load(self, packed: tuple, version: int, in_flight: bool = False) -> int:
-        """Take weight version `version`; in_flight: in the middle of a batch (`generate` with `until`, then
-        `finish`)."""
-        self.clock.busy()
-        self.clock.reload += self.engine.reload(unpack_weights(packed), version, in_flight)
-        self.clock.free()
-        return version
-
-    def generate(self, work: Generate, first: int, until: int | None = None) -> Result | None:
-        """sample_and_score's Result for this engine's slice of the batch; with `until` (an in-flight update), only
-        its decode steps before `until`: the next calls are `load(..., in_flight=True)` and `finish`."""
-        from rlhf.generation.engine_process import sample_and_score
-
-        self.clock.busy()
-        if until is None:
-            result = sample_and_score(self.engine, self.scorer, work, self.clock, first)
-        else:
-            result = self.engine.begin(work.prompts, work.params, work.batch, first, until)
-        self.clock.free()
-        return result
-
-    def finish(self, work: Generate) -> Result:
-        """The rest of the batch `generate(..., until)` began, scored: its Result."""
-        from rlhf.generation.engine_process import scored
-
-        self.clock.busy()
-        result = scored(self.engine.finish(), self.scorer, work, self.clock)
-        self.clock.free()
-        return result
-
-
-def pack_weights(weights: SharedWeights) -> tuple:
-    """(dtype name -> numpy buffer, layout): numpy has no bfloat16, so those buffers travel as int16."""
-    arrays = {d: (b.view(torch.int16) if b.dtype == torch.bfloat16 else b).numpy() for d, b in weights.buffers.items()}
-    return arrays, weights.layout
-
-
-def unpack_weights(packed: tuple) -> SharedWeights:
-    arrays, layout = packed
-    with warnings.catch_warnings():  # the object store's arrays are read-only; vLLM only copies from them
-        warnings.simplefilter("ignore", UserWarning)
-        return SharedWeights({d: torch.from_numpy(a).view(getattr(torch, d)) for d, a in arrays.items()}, layout)
-
-
 def slices(n: int, engines: int) -> list[tuple[int, int]]:
     """[start, end) of each engine's prompts: n split into `engines` contiguous slices, sizes differing by <= 1."""
     bounds = np.cumsum([0] + [n // engines + (e < n % engines) for e in range(engines)])
@@ -225,19 +153,40 @@ def slice_parts(parts: list[int], start: int, end: int) -> list[int]:
 class RayEngines:
     """E EngineActors and the calls in flight to them, as the message channel an AsyncEngine drives."""
 
-    def __init__(self, device: str, max_staleness: int, num_engines: int, gpus: tuple[int, ...] | None = None):
-        """device: "cpu" or "cuda:0" (each actor's own GPU); gpus: see start_cluster."""
+    def __init__(
+        self,
+        device: str,
+        max_staleness: int,
+        num_engines: int,
+        gpus: tuple[int, ...] | None = None,
+        resource: str | None = None,
+    ):
+        """device: "cpu" or "cuda:0" (each actor's own GPU); gpus: see start_cluster; resource: a custom Ray
+        resource each actor also asks one unit of (train.engine_resource: the engine nodes have it)."""
         global _local_users
         self._local = start_cluster(gpus if device.startswith("cuda") else None)
-        _local_users += self._local
         import ray
 
+        if resource is not None:
+            try:
+                _check_resource(resource, num_engines)
+            except ValueError:
+                if self._local and _local_users == 0:
+                    ray.shutdown()
+                raise
+        _local_users += self._local
         self.device, self.max_staleness, self.num_engines = device, max_staleness, num_engines
-        local = "RAY_ADDRESS" not in os.environ
         resources = dict(num_gpus=1, num_cpus=1) if device.startswith("cuda") else dict(num_cpus=1)
+        if resource is not None:
+            resources["resources"] = {resource: 1}
         actor = ray.remote(max_restarts=0, max_task_retries=0, **resources)(EngineActor)
-        # On the local node each engine gets a core of its own from the last one down, as the engine process does.
-        cores = engine_cores(num_engines) if local and device == "cpu" else None
+        # On the local cluster this process started, each engine gets a core of its own from the last one down, as
+        # the engine process does. Not on a joined cluster: the engines may be on other machines (or, on this one,
+        # on cores the learner's pinning knows nothing of), and their node's raylet holds them to their CPUs.
+        cores = engine_cores(num_engines) if self._local and device == "cpu" else None
+        self.resource = resource
+        self.syncs: list[tuple[int, float]] = []  # per weight version put: (bytes, seconds of pack + put)
+        self.fetches: list[float] = []  # per actor and version: seconds its ray.get of the weights took
         self.actors = [actor.remote(core) for core in cores or [None] * num_engines]
         # each actor's name in errors: its Ray id until it is built, then its node and pid
         self.where = [f"actor {e} (id {a._actor_id.hex()[:12]})" for e, a in enumerate(self.actors)]
@@ -267,11 +216,14 @@ class RayEngines:
                 self.in_flight_step = spec.in_flight_step
                 self._call(Ready, None, {e: a.build.remote(spec) for e, a in enumerate(self.actors)})
             case Weights(weights, version):
-                packed = ray.put(pack_weights(weights))
+                start = time.perf_counter()
+                packed = pack_weights(weights)
+                ref = ray.put(packed)
+                self.syncs.append((sum(a.nbytes for a in packed[0].values()), time.perf_counter() - start))
                 # in flight: the batch begun before these weights takes them half-way (engine_process.in_flight_swap)
                 taker = version + self.max_staleness - 1
                 begun = self._begun.pop(taker, None)
-                loads = {e: a.load.remote(packed, version, begun is not None) for e, a in enumerate(self.actors)}
+                loads = {e: a.load.remote([ref], version, begun is not None) for e, a in enumerate(self.actors)}
                 self._call(Ack, version, loads)
                 if begun is not None:
                     self._call(Result, taker, self._finish(begun))
@@ -319,6 +271,8 @@ class RayEngines:
         global _local_users
         import ray
 
+        if self.syncs and self.actors:
+            print(self.sync_summary(), file=sys.stderr)
         if ray.is_initialized():
             for a in self.actors:
                 ray.kill(a, no_restart=True)
@@ -328,6 +282,25 @@ class RayEngines:
             if _local_users == 0 and ray.is_initialized():
                 ray.shutdown()
         give_back_cores(self._cores_key)
+
+    def placement(self) -> str:
+        """One line: where each actor runs (node IP, node id, pid) and the learner's node, once all are built."""
+        import ray
+
+        asked = f" (each asked for Ray resource {self.resource!r})" if self.resource else ""
+        learner = ray.get_runtime_context().get_node_id()[:12]
+        return f"Ray engines{asked}: {'; '.join(self.where)}; the learner on node {learner}"
+
+    def sync_summary(self) -> str:
+        """One line: the weight syncs through the object store so far, their bytes and seconds."""
+        sizes = {size for size, _ in self.syncs}
+        size = f"{max(sizes) / 1e6:.2f} MB" if len(sizes) == 1 else f"{min(sizes) / 1e6:.2f}-{max(sizes) / 1e6:.2f} MB"
+        put = [s for _, s in self.syncs]
+        fetch = f"{np.mean(self.fetches):.4f} s (max {max(self.fetches):.4f})" if self.fetches else "none"
+        return (
+            f"Ray engines: {len(self.syncs)} weight syncs of {size} through the object store: learner's pack + put "
+            f"{np.mean(put):.4f} s (max {max(put):.4f}), each actor's fetch {fetch}"
+        )
 
     def _finish(self, begun: dict[int, Generate]) -> dict[int, object]:
         """The `finish` calls of a batch's slices begun before an in-flight update."""
@@ -345,21 +318,43 @@ class RayEngines:
             value = ray.get(ref)
         except ray.exceptions.ActorDiedError as err:  # Ray's text: what happened, then pid and node
             self._failed = self._actor_error(engine, "died", " ".join(str(err).split()))
+        except ray.exceptions.ActorUnavailableError as err:  # its node lost (seen ~3 s after a node was killed)
+            # Ray may see the actor again after a network blip; with no restarts and batches possibly lost, the run
+            # stops anyway and resumes from its last checkpoint.
+            self._failed = self._actor_error(engine, "is unreachable (its node lost?)", " ".join(str(err).split()))
         except ray.exceptions.RayError as err:
             self._failed = self._actor_error(engine, "failed", err)
         if self._failed is not None:
             raise self._failed
         if kind is Ready:
-            self.where[engine] = f"actor {engine} on node {value[1]}, pid {value[2]}"
+            self.where[engine] = f"actor {engine} on node {value[1]} {value[3][:12]}, pid {value[2]}"
+        elif kind is Ack:
+            self.fetches.append(value[1])
         expected, parts = self._parts[(kind, key)]
         parts[engine] = value
         if len(parts) == expected:
             del self._parts[(kind, key)]
+            if kind is Ready:
+                print(self.placement(), file=sys.stderr)
             if kind is not _Begun:  # a batch's first decode steps: its Result comes from the finish calls
                 self._done.append(_merge(kind, key, [parts[e] for e in sorted(parts)]))
 
     def _actor_error(self, engine: int, what: str, err) -> RuntimeError:
         return RuntimeError(f"vLLM engine {self.where[engine]} of {self.num_engines} {what}: {err}")
+
+
+def _check_resource(name: str, count: int) -> None:
+    """The cluster Ray joined has `count` units of custom resource `name` (the engine nodes'): else its actors would
+    wait for it forever."""
+    import ray
+
+    have = ray.cluster_resources().get(name, 0)
+    if have < count:
+        raise ValueError(
+            f"train.engine_resource: {name}: {count} engine actor(s) each ask Ray for one unit of it, and the cluster "
+            f"has {have:g}; start the engine nodes with `ray start --resources='{{\"{name}\": <engines>}}'` "
+            '(docs/scale-out.md, "Two nodes"), or set train.num_engines to what it has'
+        )
 
 
 class _Begun(NamedTuple):

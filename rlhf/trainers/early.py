@@ -68,6 +68,5 @@ def start_engine_process(cfg: Config) -> EarlyStart:
     from rlhf.generation.async_engine import start_engine
 
     c = cfg.train
-    return EarlyStart(
-        name, where, start_engine(where, lookahead(name, c.max_staleness), c.engine_backend, c.num_engines)
-    )
+    channel = start_engine(where, lookahead(name, c.max_staleness), c.engine_backend, c.num_engines, c.engine_resource)
+    return EarlyStart(name, where, channel)

@@ -251,6 +251,7 @@ def _engine_spec(
         score=score,
         backend=c.engine_backend,
         num_engines=c.num_engines,
+        resource=c.engine_resource,
         in_flight_step=_in_flight_step(c),
     )
 
