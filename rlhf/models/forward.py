@@ -48,7 +48,12 @@ def reference_logprobs(model: nn.Module, inputs: ModelInput, temperature: float,
         )
         for i in range(0, len(inputs.sequences), chunk)
     ]
-    return torch.cat(logps) * inputs.response_mask
+    return cat_rows(logps) * inputs.response_mask
+
+
+def cat_rows(chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' rows as one tensor: the one chunk itself when there is one (a cat would copy it: a kernel)."""
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def sequence_kl(

@@ -32,7 +32,7 @@ from rlhf.generation.base import Generated
 from rlhf.generation.weights import full_weights
 from rlhf.io import after_publishing, atomic_dir, read_json, write_text
 from rlhf.models.batch import ModelInput, assemble, host_list, micro_batch_columns, trim_padding
-from rlhf.models.forward import reference_logprobs, response_logprobs, response_logprobs_and_values
+from rlhf.models.forward import cat_rows, reference_logprobs, response_logprobs, response_logprobs_and_values
 from rlhf.models.loading import save_policy
 from rlhf.runtime import crash_point, seconds_since_start
 from rlhf.tracking import Tracker
@@ -271,14 +271,14 @@ def _logprobs(run: Run, inputs: ModelInput, gen: Generated, chunk: int = 64):
             values.append(v)
         elif behaviour:
             logps.append(response_logprobs(run.model, *rows, inputs.context, temperature))
+    mask = inputs.response_mask
     if gen.ref_logprobs is not None:
-        ref_logp = gen.ref_logprobs.to(run.acc.device, non_blocking=True)
+        ref_logp = gen.ref_logprobs.to(run.acc.device, non_blocking=True) * mask
     else:
         with run.acc.autocast():  # the reference computes as the policy does (bf16 under mixed precision)
-            ref_logp = reference_logprobs(run.ref, inputs, temperature, chunk)
-    mask = inputs.response_mask
-    logp = torch.cat(logps) if logps else gen.logprobs.to(run.acc.device, non_blocking=True)
-    return logp * mask, ref_logp * mask, torch.cat(values) if values else None
+            ref_logp = reference_logprobs(run.ref, inputs, temperature, chunk)  # 0 on padding already
+    logp = cat_rows(logps) if logps else gen.logprobs.to(run.acc.device, non_blocking=True)
+    return logp * mask, ref_logp, cat_rows(values) if values else None
 
 
 def _importance_weights(run: Run, logp: torch.Tensor, gen: Generated, inputs: ModelInput) -> torch.Tensor | None:
