@@ -31,7 +31,7 @@ from transformers import CompileConfig, GenerationConfig, LogitsProcessor, Logit
 from rlhf.generation.base import Generated, SamplingParams
 from rlhf.generation.weights import _zero3, gathered_parameters
 from rlhf.models import lora
-from rlhf.models.batch import pad_left, pad_right
+from rlhf.models.batch import pad_left, pad_right, to_device
 
 
 class _GumbelMaxSampler(LogitsProcessor):
@@ -163,9 +163,7 @@ class HFEngine:
         prompts, p = self._queue.popleft()
         start = time.perf_counter()
         # k rows a prompt, prompt-major (greedy `generate` takes no num_return_sequences)
-        ids, mask = (
-            t.repeat_interleave(p.k, 0).to(self.device, non_blocking=True) for t in pad_left(prompts, self.pad_token_id)
-        )
+        ids, mask = (to_device(t.repeat_interleave(p.k, 0), self.device) for t in pad_left(prompts, self.pad_token_id))
         was_training = self.model.training
         self.model.eval()
         sampler, config = _GumbelMaxSampler(p.temperature), self._greedy(p)

@@ -45,13 +45,9 @@ class ModelInput:
     context: int  # C
 
     def to(self, device: torch.device | str) -> ModelInput:
-        """The same batch with every tensor on `device`. To an accelerator without waiting for its queue (a host
-        batch: the copy is staged at once); back to the host with waiting, so the values are there when read."""
-        non_blocking = torch.device(device).type != "cpu"
+        """The same batch with every tensor on `device` (`to_device`)."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return ModelInput(
-            **{k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in values.items()}
-        )
+        return ModelInput(**{k: to_device(v, device) if torch.is_tensor(v) else v for k, v in values.items()})
 
     def texts(self, tokenizer) -> list[str]:
         """The responses as text, special tokens dropped (decode a host batch: on a device this reads it back)."""
@@ -117,6 +113,13 @@ def micro_batch_columns(
     if bucketed:
         prompt, response = bucket(prompt, context), bucket(response, T)
     return context - prompt, response
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`. To an accelerator without waiting: a blocking copy from the host makes PyTorch synchronise
+    the CUDA stream (the host waits for every kernel queued), while CUDA stages a non-blocking one from pageable host
+    memory at once, so the host tensor may go. Back to the host blocking, so the values are there when read."""
+    return t.to(device, non_blocking=torch.device(device).type != "cpu")
 
 
 def host_list(t: torch.Tensor) -> list:

@@ -31,7 +31,7 @@ from rlhf.config import Config, config_yaml
 from rlhf.generation.base import Generated
 from rlhf.generation.weights import full_weights
 from rlhf.io import after_publishing, atomic_dir, read_json, write_text
-from rlhf.models.batch import ModelInput, assemble, host_list, micro_batch_columns, trim_padding
+from rlhf.models.batch import ModelInput, assemble, host_list, micro_batch_columns, to_device, trim_padding
 from rlhf.models.forward import cat_rows, reference_logprobs, response_logprobs, response_logprobs_and_values
 from rlhf.models.loading import save_policy
 from rlhf.runtime import crash_point, seconds_since_start
@@ -244,7 +244,7 @@ def _scores(run: Run, gen: Generated, host: ModelInput, inputs: ModelInput, text
         scores = gen.scores
     else:
         scores = reward(host, texts) if reward.needs_texts else reward(inputs, texts)
-    scores = scores.to(run.acc.device, non_blocking=True)  # host -> device: no wait for the device's queue
+    scores = to_device(scores, run.acc.device)
     if c.non_eos_penalty:
         scores = apply_missing_eos_penalty(scores, inputs.has_eos, c.penalty_reward_value)
     return scores
@@ -273,11 +273,11 @@ def _logprobs(run: Run, inputs: ModelInput, gen: Generated, chunk: int = 64):
             logps.append(response_logprobs(run.model, *rows, inputs.context, temperature))
     mask = inputs.response_mask
     if gen.ref_logprobs is not None:
-        ref_logp = gen.ref_logprobs.to(run.acc.device, non_blocking=True) * mask
+        ref_logp = to_device(gen.ref_logprobs, run.acc.device) * mask
     else:
         with run.acc.autocast():  # the reference computes as the policy does (bf16 under mixed precision)
             ref_logp = reference_logprobs(run.ref, inputs, temperature, chunk)  # 0 on padding already
-    logp = cat_rows(logps) if logps else gen.logprobs.to(run.acc.device, non_blocking=True)
+    logp = cat_rows(logps) if logps else to_device(gen.logprobs, run.acc.device)
     return logp * mask, ref_logp, cat_rows(values) if values else None
 
 
@@ -307,7 +307,7 @@ def _behaviour_weights(
 def _engine_logprobs(run: Run, gen: Generated, inputs: ModelInput) -> torch.Tensor:
     """The engine's own sampling log-probs (N, T) on the learner's device, 0 on padding: pi_behav of the
     off-policy corrections."""
-    return gen.logprobs.to(run.acc.device, non_blocking=True) * inputs.response_mask
+    return to_device(gen.logprobs, run.acc.device) * inputs.response_mask
 
 
 def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> list[dict[str, torch.Tensor]]:
@@ -325,7 +325,7 @@ def update(run: Run, col: Collected, t: int, state: checkpoint.LoopState) -> lis
     for _ in range(c.num_ppo_epochs):
         order = torch.randperm(run.sizes.local_batch, generator=run.shuffle)
         # one gather and one split a tensor an epoch: each micro-batch is then a view, taken with no op of its own
-        on_device = order.to(run.acc.device, non_blocking=True)
+        on_device = to_device(order, run.acc.device)
         micro_batches = {k: v[on_device].split(P) for k, v in groups.items()}
         spans = [batch_spans[i] for i in host_list(order)]
         for m in range(c.num_mini_batches):

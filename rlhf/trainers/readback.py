@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.models.batch import host_list
+from rlhf.models.batch import host_list, to_device
 from rlhf.trainers import checkpoint
 
 LOSS = "check/loss"  # each micro-step's total loss, in its stats: read with the rest, never logged
@@ -53,7 +53,7 @@ def read_batch(run, t: int, col, step_stats: list[dict[str, torch.Tensor]]) -> R
     gold = gold_scores(run, col) if run.gold is not None else None
     device = run.acc.device
     if gold is not None:
-        stats["objective/gold"] = gold.mean().to(device, non_blocking=True)  # the judge scores on the host
+        stats["objective/gold"] = to_device(gold.mean(), device)  # the judge scores on the host
     keys = sorted(stats)  # every rank reduces in the same order
     # one stack (promoted to the widest dtype: exact) and one cast, not a conversion a metric; metrics are tensors on
     # the device already (rlhf.trainers.objectives), so none is converted: even a no-op conversion is an op
@@ -89,11 +89,10 @@ def _means(step_stats: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     slot = {k: i for i, k in enumerate(keys)}
     where = [slot[k] for s in step_stats for k in s]
     values = torch.stack([v for s in step_stats for v in s.values()]).double()
-    index = torch.tensor(where).to(values.device, non_blocking=True)
+    index = to_device(torch.tensor(where), values.device)
     sums = torch.zeros(len(keys), dtype=torch.float64, device=values.device).index_add_(0, index, values)
     times = Counter(where)
-    counts = torch.tensor([times[i] for i in range(len(keys))], dtype=torch.float64)
-    counts = counts.to(values.device, non_blocking=True)
+    counts = to_device(torch.tensor([times[i] for i in range(len(keys))], dtype=torch.float64), values.device)
     return dict(zip(keys, sums / counts))
 
 
