@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import platform
 import sys
@@ -211,7 +212,7 @@ def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
             phases.update({k.removeprefix("timing/"): row[k] for k in PHASES})
             engine_s += row["timing/generation"]
 
-    with contextlib.closing(run.engine):
+    with contextlib.closing(run.engine), _gc_schedule(cfg):
         for t in range(args.warmup):
             iteration(t, timed=False)
         model_time.seconds = judge_time.seconds = 0.0
@@ -222,6 +223,10 @@ def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
                 iteration(t)
             wall = time.perf_counter() - start
         learner_s, model_s = wall - engine_s - judge_time.seconds, model_time.seconds
+        # the loop's scheduled collection (every train.gc_every batches, none in the timed ones): its cost, apart
+        gc_start = time.perf_counter()
+        gc.collect(1)
+        gc_s = time.perf_counter() - gc_start
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for t in range(timed.stop, timed.stop + args.profiled):
                 iteration(t, timed=False)
@@ -236,10 +241,20 @@ def measure(data: Path, trainer: str, args, extra: list[str]) -> dict:
         "learner_s_per_update": round(learner_s / n, 4),
         "model_s_per_update": round(model_s / n, 4),
         "phases_s_per_update": {k: round(v / n, 4) for k, v in sorted(phases.items())},
+        "gc_s_per_collection": round(gc_s, 5),
         "engine_syncs_per_generation": counter.counts["engine"] / n,
         "sync_sites": dict(sorted(counter.sites.items())),
         "library_sync_sites": dict(counter.library_sites.most_common(8)),
     }
+
+
+def _gc_schedule(cfg):
+    """The garbage collector's schedule `train()` runs the loop under (rlhf.runtime.scheduled_gc: off inside steps,
+    a collection every train.gc_every batches), where the code has one; the code before issue 56 had none."""
+    from rlhf import runtime
+
+    schedule = getattr(runtime, "scheduled_gc", None)
+    return contextlib.nullcontext() if schedule is None else schedule(cfg.train.gc_every)
 
 
 def _gold_call(run) -> tuple:

@@ -215,7 +215,8 @@ def _section(raw: dict, name: str) -> dict:
 def fingerprint(cfg: Config) -> str:
     """A short hash of everything that decides a run's results (not where it lives or how it logs): a
     checkpoint is resumed only by a run with the same fingerprint."""
-    settings = cfg.model_dump(mode="json", exclude={"data_dir": True, "tracking": True, "train": {"keep_checkpoints"}})
+    not_results = {"data_dir": True, "tracking": True, "train": {"keep_checkpoints", "gc_every"}}
+    settings = cfg.model_dump(mode="json", exclude=not_results)
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -329,6 +329,13 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(
         2, ge=1, description="how many of the newest resume checkpoints to keep while the run goes on (older deleted)"
     )
+    gc_every: int = Field(
+        50,
+        ge=0,
+        description="Python's garbage collector runs every N generated batches, between them, instead of whenever "
+        "allocations cross its threshold (inside a step: on a GPU the device's queue drains while it scans); what "
+        "setup built is frozen out of its scans (gc.freeze). torchtitan's gc_freq; 0 = Python's own schedule",
+    )
     eval_checkpoints: list[float] = Field(
         [0.25, 0.5, 0.75, 1.0],
         min_length=1,

@@ -118,8 +118,12 @@ def micro_batch_columns(
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`t` on `device`. To an accelerator without waiting: a blocking copy from the host makes PyTorch synchronise
     the CUDA stream (the host waits for every kernel queued), while CUDA stages a non-blocking one from pageable host
-    memory at once, so the host tensor may go. Back to the host blocking, so the values are there when read."""
-    return t.to(device, non_blocking=torch.device(device).type != "cpu")
+    memory at once, so the host tensor may go. Back to the host blocking, so the values are there when read. A
+    tensor already there is returned as it is: `.to` would still be an op dispatched (~20 a batch on the CPU)."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type != "cpu")
 
 
 def host_list(t: torch.Tensor) -> list:

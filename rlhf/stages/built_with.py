@@ -17,7 +17,8 @@ from rlhf.io import read_json, write_json
 from rlhf.runtime import PROJECT_ROOT
 
 RECORD = "built_with.json"
-NOT_RESULTS = {"tracking", "train.keep_checkpoints", "train.save_every"}  # how a run logs or saves, not what it makes
+# how a run logs, saves or collects its garbage, not what it makes
+NOT_RESULTS = {"tracking", "train.keep_checkpoints", "train.save_every", "train.gc_every"}
 
 
 @functools.cache  # read once per process: the check and the record both use it

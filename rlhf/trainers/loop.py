@@ -7,6 +7,7 @@ One iteration (numbered as in shared/design/architecture.md), each step group on
   8. the batch's metrics and checks, read from the device once                          -> read_batch
   9. weight sync to the engine (versioned)                                              -> sync
  10. metrics logged, checkpoint                                                         -> log, save
+ 11. the garbage collector, every train.gc_every batches (off inside steps)             -> collect_garbage
 Setup (models, optimizer, engine, prompts) is rlhf.trainers.setup; checkpoint files rlhf.trainers.checkpoint.
 
 Nothing between steps 3 and 8 reads a tensor back from the device: on a GPU the host queues the whole batch's
@@ -34,7 +35,7 @@ from rlhf.io import after_publishing, atomic_dir, read_json, write_text
 from rlhf.models.batch import ModelInput, assemble, host_list, micro_batch_columns, to_device, trim_padding
 from rlhf.models.forward import cat_rows, reference_logprobs, response_logprobs, response_logprobs_and_values
 from rlhf.models.loading import save_policy
-from rlhf.runtime import crash_point, seconds_since_start
+from rlhf.runtime import collect_garbage, crash_point, scheduled_gc, seconds_since_start
 from rlhf.tracking import Tracker
 from rlhf.trainers import checkpoint, frontier
 from rlhf.trainers.early import EarlyStart
@@ -51,7 +52,8 @@ def train(cfg: Config, started: EarlyStart | None = None) -> dict:
     """Train with the preset cfg.train.trainer; the final metrics (on the main process; {} on the others).
     started: the engine as the stage placed it, and its process if it started one (rlhf.trainers.early)."""
     run = setup(cfg, started)
-    with contextlib.closing(run.engine):  # an error must not leave an engine process behind
+    # an error must not leave an engine process behind; the garbage collector runs between batches only
+    with contextlib.closing(run.engine), scheduled_gc(cfg.train.gc_every):
         state, rows = start(run)
         tracker = Tracker(cfg, "train", enabled=run.acc.is_main_process, rows=rows, run_id=state.wandb_run_id)
         num_batches = run.sizes.num_batches
@@ -98,7 +100,10 @@ def iterate(run: Run, tracker: Tracker, state: checkpoint.LoopState, t: int) -> 
     sync(run, state, t)
     clock.mark("weight_sync")
     # 10. metrics (a checkpoint on schedule, the policy at the frontier's points: the caller's)
-    return log(run, tracker, state, t, collected, readback, clock)
+    row = log(run, tracker, state, t, collected, readback, clock)
+    # 11. the garbage collector's turn on its schedule (train.gc_every), between batches
+    collect_garbage(run.cfg.train.gc_every, t)
+    return row
 
 
 class Clock:

@@ -57,8 +57,18 @@ class Rollout:
 
     def grouped(self, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         """Reshape (N, ...) tensors to (B, K, ...) so micro-batches select whole prompts."""
+        return {name: t.view(-1, self.k, *t.shape[1:]) for name, t in self._model_input(tensors).items()}
+
+    def picked(self, rows: torch.Tensor, **tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows (B, J) of each prompt (global row indices, e.g. its chosen and rejected sample) of (N, ...)
+        tensors, as (B, J, ...): one index op a tensor a batch, where picking them in every micro-step was one a
+        micro-step (and 3 to build the index)."""
+        flat = rows.flatten()
+        return {name: t[flat].view(*rows.shape, *t.shape[1:]) for name, t in self._model_input(tensors).items()}
+
+    def _model_input(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         base = {"sequences": self.sequences, "attn": self.attn, "positions": self.positions, "mask": self.response_mask}
-        return {name: t.view(-1, self.k, *t.shape[1:]) for name, t in {**base, **tensors}.items()}
+        return {**base, **tensors}
 
 
 class Objective(Protocol):
@@ -231,14 +241,6 @@ class GRPO:
         return loss, {**_named("policy", stats), "loss/policy": loss.detach(), **objective}
 
 
-def _select(mb: dict[str, torch.Tensor], names: tuple[str, ...], *picks: torch.Tensor) -> list[torch.Tensor]:
-    """Row picks[j][b] of group b, for each pick in turn, of each named tensor: (B, K, ...) -> (len(picks) * B, ...).
-    One index op a tensor (on a GPU one kernel each), not one per pick."""
-    group = torch.arange(len(picks[0]), device=picks[0].device).repeat(len(picks))
-    within = picks[0] if len(picks) == 1 else torch.cat(picks)
-    return [mb[name][group, within] for name in names]
-
-
 @dataclass
 class OnlineDPO:
     """Best vs worst of k samples, ranked by reward; ties are dropped (the original trained on them)."""
@@ -251,20 +253,18 @@ class OnlineDPO:
         _, stats = _kl_and_stats(r, self.cfg)
         chosen, rejected, valid = dpo.select_pairs(r.scores, r.k)
         ref_sum = (r.ref_logp * r.response_mask).sum(1)
-        # global row index -> index within its group of K
-        groups = r.grouped(ref_sum=ref_sum)
-        groups.update(chosen=chosen % r.k, rejected=rejected % r.k, valid=valid)
+        groups = r.picked(torch.stack([chosen, rejected], 1), ref_sum=ref_sum)  # (B, 2, ...): chosen, rejected
+        groups["valid"] = valid
         stats["objective/scores_margin"] = (r.scores[chosen] - r.scores[rejected]).mean()
         stats["objective/valid_pairs"] = valid.float().mean()
         return groups, stats
 
     def loss(self, model, mb):
-        names = ("sequences", "attn", "positions", "mask", "ref_sum")
-        seq, attn, pos, mask, ref = _select(mb, names, mb["chosen"], mb["rejected"])  # chosen rows, then rejected
-        n = len(mb["valid"])
+        # each prompt's chosen row, then its rejected one: (2P, ...) as a view
+        seq, attn, pos, mask, ref = _flat(mb, "sequences", "attn", "positions", "mask", "ref_sum")
         logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
-        sums = (logp * mask).sum(1).view(2, n)  # chosen, rejected
-        loss, stats = dpo.dpo_loss(*sums, *ref.view(2, n), mb["valid"], self.cfg.beta, self.cfg.loss_type)
+        sums = (logp * mask).sum(1).view(-1, 2).T  # (2, P): chosen, rejected
+        loss, stats = dpo.dpo_loss(*sums, *ref.view(-1, 2).T, mb["valid"], self.cfg.beta, self.cfg.loss_type)
         logps_chosen, logps_rejected = sums.detach().mean(1)
         out = {
             "rewards/chosen": stats["chosen_reward"],
@@ -289,13 +289,13 @@ class BestOfK:
     def prepare(self, r: Rollout):
         _, stats = _kl_and_stats(r, self.cfg)
         best, valid = bok.select_best(r.scores, r.k)
-        groups = r.grouped()
-        groups.update(best=best % r.k, valid=valid)
+        groups = r.picked(best[:, None])  # (B, 1, ...)
+        groups["valid"] = valid
         stats["objective/valid_pairs"] = valid.float().mean()
         return groups, stats
 
     def loss(self, model, mb):
-        seq, attn, pos, mask = _select(mb, ("sequences", "attn", "positions", "mask"), mb["best"])
+        seq, attn, pos, mask = _flat(mb, "sequences", "attn", "positions", "mask")
         logp = response_logprobs(model, seq, attn, pos, seq.shape[1] - mask.shape[1], self.cfg.temperature)
         loss, stats = bok.nll_loss(logp, mask, mb["valid"])
         chosen = (logp * mask).sum(1).mean().detach()
