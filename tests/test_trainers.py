@@ -336,3 +336,55 @@ def test_an_iteration_reads_the_device_at_most_three_times_all_when_it_logs(ci_d
     assert reads <= 3 * 3, dict(counter.sites)
     assert all(site.startswith(("rlhf/trainers/readback.py", "rlhf/trainers/loop.py")) for site in counter.sites)
     assert counter.counts["host"] > 0 and counter.counts["library"] > 0  # it saw host and library reads: it counts
+
+
+def test_the_garbage_collector_runs_between_batches_on_its_schedule_only(ci_data, monkeypatch):
+    """train.gc_every=2: while the loop runs, Python's collector is off (no collection of its own inside a step, where
+    on a GPU the device's queue would drain during its scan) and what setup built is frozen out of its scans; a
+    young-generation collection follows batches 1 and 3 only, each after that batch's log; afterwards the collector is
+    as it was. (Seen failing with collect_garbage made a no-op: no collection after any batch.)"""
+    import gc
+
+    from rlhf.trainers import loop
+
+    events, batch = [], [-1]
+    log = loop.log
+
+    def logged(run, tracker, state, t, *args):
+        batch[0] = t
+        assert not gc.isenabled() and gc.get_freeze_count() > 0  # inside the loop: off, setup's objects frozen
+        return log(run, tracker, state, t, *args)
+
+    def seen(phase, info):
+        if phase == "start" and batch[0] >= 0:
+            events.append((batch[0], info["generation"]))
+
+    monkeypatch.setattr(loop, "log", logged)
+    gc.callbacks.append(seen)
+    try:
+        train(ci_config(ci_data, "train.trainer=rloo", "train.total_episodes=32", "train.gc_every=2"))  # 4 batches
+    finally:
+        gc.callbacks.remove(seen)
+    # after batch 3 the run finishes (export, W&B's finish) with the collector back on: its own collections may follow
+    assert [e for e in events if e[0] < 3] == [(1, 1)], events
+    assert (3, 1) in events
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 16, 64])
+def test_micro_step_means_are_the_float64_sums_in_step_order_on_either_path(steps):
+    """readback._means: micro-steps with the same metrics take one stack and one mean over the steps; micro-steps
+    whose metrics differ, one index_add. Both give each metric's float64 sum in micro-step order over its count:
+    the same bits (here with the metrics of each step in another order, which takes the general path)."""
+    from rlhf.trainers.readback import _means
+
+    gen = torch.Generator().manual_seed(steps)
+    scale = 10.0 ** torch.randint(-6, 7, (12,), generator=gen)
+    step_stats = [{f"m{j}": torch.randn((), generator=gen) * scale[j] for j in range(12)} for _ in range(steps)]
+    fast, general = _means(step_stats), _means([dict(reversed(s.items())) for s in step_stats])
+    assert fast.keys() == general.keys() == {f"m{j}" for j in range(12)}
+    for name, mean in fast.items():
+        by_hand = sum(float(s[name]) for s in step_stats) / steps  # Python floats: float64, in step order
+        assert mean.dtype == torch.float64 and torch.equal(mean, general[name]) and mean.item() == by_hand, name
+    partial = _means([{"a": torch.tensor(1.0), "b": torch.tensor(2.0)}, {"a": torch.tensor(4.0)}])
+    assert {k: v.item() for k, v in partial.items()} == {"a": 2.5, "b": 2.0}  # each over the steps that have it

@@ -88,7 +88,7 @@ def first_true_indices(bools: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(row_len, device=bools.device)
     # False positions are pushed past the row end, so the minimum is the first True (or >= T if none).
     candidates = torch.where(bools, positions, row_len)
-    return candidates.min(dim=-1).values.long()
+    return candidates.min(dim=-1).values  # long, as the positions
 
 
 def truncate_after_eos(
@@ -134,7 +134,8 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
     """
     _check_temperature(temperature)
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    return (logits.to(dtype) / temperature).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    logits = logits if logits.dtype == dtype else logits.to(dtype)  # a no-op `.to` is still an op dispatched
+    return (logits / temperature).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:

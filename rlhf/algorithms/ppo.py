@@ -29,7 +29,8 @@ def token_rewards(
     row_len = mask.size(1)
     last_real = row_len - 1 - first_true_indices(mask.flip(1))
     at_last = torch.arange(row_len, device=mask.device)[None, :] == last_real[:, None]
-    rewards = non_score_reward + torch.where(at_last, scores[:, None].to(non_score_reward.dtype), 0.0)
+    scores = scores if scores.dtype == non_score_reward.dtype else scores.to(non_score_reward.dtype)
+    rewards = non_score_reward + torch.where(at_last, scores[:, None], 0.0)
     return rewards, non_score_reward
 
 

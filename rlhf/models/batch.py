@@ -74,7 +74,7 @@ def assemble(prompts: list[list[int]], responses: torch.Tensor, k: int, pad_id: 
     """Prompts (B token lists) + raw sampled responses (B*K, T) -> model input, responses cut after the first
     EOS. The learner and the async engine's scorer both build their inputs here, so their scores agree.
     The result is on the responses' device."""
-    prompt_ids, prompt_mask = (t.to(responses.device) for t in pad_left(prompts, pad_id))
+    prompt_ids, prompt_mask = (to_device(t, responses.device) for t in pad_left(prompts, pad_id))
     responses, response_mask, has_eos = truncate_after_eos(responses, eos_id, pad_id)
     attn, positions = attention_and_positions(prompt_mask.repeat_interleave(k, 0), response_mask)
     sequences = torch.cat([prompt_ids.repeat_interleave(k, 0), responses], dim=1)

@@ -30,7 +30,7 @@ def response_logprobs(
     out = model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False, logits_to_keep=keep)
     # the logits at positions C-1 .. C+T-2 predict the response tokens (counted from the end: a model that ignored
     # logits_to_keep would still be read right)
-    return logprobs_from_logits(out.logits[:, -keep:-1].float(), sequences[:, context:], temperature)
+    return logprobs_from_logits(out.logits[:, -keep:-1], sequences[:, context:], temperature)  # upcast there
 
 
 @torch.no_grad()
@@ -78,14 +78,14 @@ def response_logprobs_and_values(
     state before each of them (n, T). The LM head sees the last T+1 positions only (as in `response_logprobs`)."""
     keep = sequences.shape[1] - context + 1
     logits, values = wrapper(input_ids=sequences, attention_mask=attn, position_ids=positions, logits_to_keep=keep)
-    logp = logprobs_from_logits(logits[:, -keep:-1].float(), sequences[:, context:], temperature)
+    logp = logprobs_from_logits(logits[:, -keep:-1], sequences[:, context:], temperature)
     return logp, values[:, context - 1 : -1]
 
 
 def scalar_head(model: nn.Module, sequences: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Per-position scalar (n, L) of a sequence-classification model (backbone + `score` head)."""
     backbone = model.base_model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False)
-    return model.score(backbone.last_hidden_state).squeeze(-1).float()
+    return _float32(model.score(backbone.last_hidden_state).squeeze(-1))
 
 
 def sequence_scores(
@@ -98,7 +98,12 @@ def sequence_scores(
 ) -> torch.Tensor:
     """Reward-model score of each sequence (n,): the `score` head on its pooled hidden state (`pooled_hidden`)."""
     pooled = pooled_hidden(model, sequences, attn, positions, context, last_index)
-    return model.score(pooled).squeeze(-1).float()
+    return _float32(model.score(pooled).squeeze(-1))
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    """`t` as float32 (a low-precision head's output upcast): without an op when it is float32 already."""
+    return t if t.dtype == torch.float32 else t.float()
 
 
 def pooled_hidden(
