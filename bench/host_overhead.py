@@ -17,6 +17,9 @@ DPO on a deep, narrow model (Pythia-1B's 16 GPT-NeoX layers at width 64, where t
 - ops_per_update: the ATen ops the host dispatches (torch.profiler; each is at least one kernel launch on a GPU);
 - the phases' seconds (rlhf.trainers.loop's Clock), the engine's generation apart.
 
+The loop runs under the garbage collector's schedule `train()` uses (rlhf.runtime.scheduled_gc: no collection inside
+the timed updates); one scheduled collection is timed apart (`gc_s_per_collection`, every train.gc_every batches).
+
 Everything outside the engine's `receive` and the gold judge counts (steps 3-10 of rlhf.trainers.loop:
 post-processing, scoring, reference, update, read-back, weight sync, log); the HF engine's generation is reported
 apart (issue 56 item 3).
