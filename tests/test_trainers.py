@@ -342,7 +342,7 @@ def test_the_garbage_collector_runs_between_batches_on_its_schedule_only(ci_data
     """train.gc_every=2: while the loop runs, Python's collector is off (no collection of its own inside a step, where
     on a GPU the device's queue would drain during its scan) and what setup built is frozen out of its scans; a
     young-generation collection follows batches 1 and 3 only, each after that batch's log; afterwards the collector is
-    as it was. (Seen failing with collect_garbage made a no-op: no collection after any batch.)"""
+    as it was. (Seen failing with collect_garbage made a no-op, and with the collector left on inside the loop.)"""
     import gc
 
     from rlhf.trainers import loop

@@ -118,6 +118,11 @@ def apply_missing_eos_penalty(scores: torch.Tensor, has_eos: torch.Tensor, penal
     return torch.where(has_eos, scores, torch.full_like(scores, penalty))
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype`, without dispatching an op when it is in `dtype` already (a no-op `.to` is still one)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _check_temperature(temperature: float) -> None:
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -134,8 +139,7 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
     """
     _check_temperature(temperature)
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    logits = logits if logits.dtype == dtype else logits.to(dtype)  # a no-op `.to` is still an op dispatched
-    return (logits / temperature).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return (as_dtype(logits, dtype) / temperature).log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.algorithms.common import first_true_indices, masked_mean, masked_means, masked_var
+from rlhf.algorithms.common import as_dtype, first_true_indices, masked_mean, masked_means, masked_var
 
 
 def token_rewards(
@@ -29,8 +29,7 @@ def token_rewards(
     row_len = mask.size(1)
     last_real = row_len - 1 - first_true_indices(mask.flip(1))
     at_last = torch.arange(row_len, device=mask.device)[None, :] == last_real[:, None]
-    scores = scores if scores.dtype == non_score_reward.dtype else scores.to(non_score_reward.dtype)
-    rewards = non_score_reward + torch.where(at_last, scores[:, None], 0.0)
+    rewards = non_score_reward + torch.where(at_last, as_dtype(scores, non_score_reward.dtype)[:, None], 0.0)
     return rewards, non_score_reward
 
 

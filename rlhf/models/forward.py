@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlhf.algorithms.common import logprobs_from_logits
+from rlhf.algorithms.common import as_dtype, logprobs_from_logits
 from rlhf.models.batch import ModelInput
 
 
@@ -85,7 +85,7 @@ def response_logprobs_and_values(
 def scalar_head(model: nn.Module, sequences: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Per-position scalar (n, L) of a sequence-classification model (backbone + `score` head)."""
     backbone = model.base_model(input_ids=sequences, attention_mask=attn, position_ids=positions, use_cache=False)
-    return _float32(model.score(backbone.last_hidden_state).squeeze(-1))
+    return as_dtype(model.score(backbone.last_hidden_state).squeeze(-1), torch.float32)
 
 
 def sequence_scores(
@@ -98,12 +98,7 @@ def sequence_scores(
 ) -> torch.Tensor:
     """Reward-model score of each sequence (n,): the `score` head on its pooled hidden state (`pooled_hidden`)."""
     pooled = pooled_hidden(model, sequences, attn, positions, context, last_index)
-    return _float32(model.score(pooled).squeeze(-1))
-
-
-def _float32(t: torch.Tensor) -> torch.Tensor:
-    """`t` as float32 (a low-precision head's output upcast): without an op when it is float32 already."""
-    return t if t.dtype == torch.float32 else t.float()
+    return as_dtype(model.score(pooled).squeeze(-1), torch.float32)
 
 
 def pooled_hidden(
