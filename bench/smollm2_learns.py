@@ -3,8 +3,8 @@ command (`dvc exp run -S profile=smollm2`, its default trainer), then the same w
 SFT, judge and reward model reused from DVC's run cache), one after the other (two side by side on 2 cores took 7x
 longer an update).
 
-Rule (docs/benchmarks.md, "SmolLM2 learns again"; fixed before its runs): passes if the gold win-rate vs SFT averaged
-over the two RL seeds is >= 0.65 and neither seed is below 0.60.
+Rule (docs/benchmarks.md, "SmolLM2 learns again"; each of its four rules fixed before its runs): passes if the gold
+win-rate vs SFT averaged over the two RL seeds is >= 0.65 and neither seed is below 0.60.
 
     .venv/bin/python -m rlhf.runtime python bench/smollm2_learns.py run [--clone DIR]     ~45 min on 2 cores
     .venv/bin/python -m rlhf.runtime python bench/smollm2_learns.py report [--clone DIR]
