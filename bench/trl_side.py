@@ -8,10 +8,11 @@ DIR/policy (safetensors, for the orchestrator's reward evaluation), DIR/result.j
 history) and DIR/reward_check.json (a few scored samples the orchestrator re-scores with rlhf's ProxyReward).
 
 The reward TRL optimises is the proxy RM scored exactly as rlhf/rewards/proxy.py does (read at the last real
-response token, the EOS when there is one, left-padded prompt + right-padded response, positions from the mask),
-then our missing-EOS rule (score := penalty_reward_value). It is passed as a reward callable because TRL's
-built-in RM path re-tokenises decoded text and reads the last non-pad token, after the EOS was stripped by
-decoding, and because TRL has no replace-the-score penalty (OnlineDPO subtracts a constant, RLOO has none).
+response token, the EOS when there is one, left-padded prompt + right-padded response, positions from the mask,
+in the units its config's `reward_normalization` gives), then our missing-EOS rule (score := penalty_reward_value).
+It is passed as a reward callable because TRL's built-in RM path re-tokenises decoded text and reads the last
+non-pad token, after the EOS was stripped by decoding, and because TRL has no replace-the-score penalty (OnlineDPO
+subtracts a constant, RLOO has none).
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ class ProxyRM:
             values = self.model.score(hidden).squeeze(-1).float()
             scores.append(values[torch.arange(len(values)), C + last[s]])
         raw = torch.cat(scores)
+        # the calibration the reward stage saved (rlhf.models.forward.reward_normalization: reward.normalize)
+        if (norm := getattr(self.model.config, "reward_normalization", None)) is not None:
+            raw = (raw - norm[0]) / norm[1]
         if len(self.samples) < self.keep:
             self.samples += [
                 {"prompt_ids": p, "response_ids": list(c), "raw_score": float(x)}

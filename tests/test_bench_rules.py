@@ -13,6 +13,7 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import async_vs_sync  # noqa: E402
 import common  # noqa: E402
+import smollm2_learns  # noqa: E402
 import vs_trl  # noqa: E402
 
 
@@ -103,3 +104,22 @@ def test_a_partial_benchmark_run_replaces_its_own_entries_and_keeps_the_rest(tmp
     out = common.merged(path, {"online_dpo/speedup_wall": 1.2}, ["online_dpo"])
     assert out == {"online_dpo/speedup_wall": 1.2, "rloo/speedup_wall": 1.4}  # no stale online_dpo key survives
     assert common.merged(tmp_path / "missing.json", {"a/b": 1}, ["a"]) == {"a/b": 1}
+
+
+def test_smollm2_learns_reads_finished_experiments_only():
+    """A running experiment shows the workspace's metrics (those of the experiment before it): counting it gave the
+    second seed the first seed's win-rate (seen on 2026-12-03, report run while seed 1235 trained)."""
+
+    def exp(name, win, state=None):
+        metrics = {"data/metrics/eval.json": {"data": {"gold/win_rate_vs_sft": win}}}
+        executor = None if state is None else {"state": state, "name": "workspace"}
+        return {
+            "name": name,
+            "executor": executor,
+            "revs": [{"name": name, "rev": f"r{name[1:]}", "data": {"metrics": metrics}}],
+        }
+
+    shown = [{"rev": "workspace"}, {"rev": "abc", "experiments": [exp("s1235", 0.68, "running"), exp("s1234", 0.68)]}]
+    assert smollm2_learns.finished(shown) == {"s1234": {"gold/win_rate_vs_sft": 0.68, "rev": "r1234"}}
+    shown[1]["experiments"][0]["executor"] = {"state": "success"}  # ended: its own metrics now
+    assert set(smollm2_learns.finished(shown)) == {"s1234", "s1235"}

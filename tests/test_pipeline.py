@@ -143,6 +143,7 @@ def test_the_metrics_are_what_the_saved_samples_and_scores_give(repo):
     last = rows.iloc[len(rows) - max(1, len(rows) // 4) :]
     assert train["final/objective/scores"] == pytest.approx(last["objective/scores"].mean())
     assert train["first/objective/scores"] == pytest.approx(rows["objective/scores"].iloc[0])
+    assert train["first/completions/eos_rate"] == pytest.approx(rows["completions/eos_rate"].iloc[0])
 
 
 def test_a_second_repro_changes_nothing(repo):

@@ -194,6 +194,47 @@ def test_a_pretrained_reward_model_is_used_as_the_proxy_and_measured_against_gol
     assert saved.keys() == given.keys() and all(torch.equal(saved[k], given[k]) for k in saved)
 
 
+def test_the_reward_model_scores_the_sft_samples_it_was_fitted_on_at_mean_0_std_1(ci_stages, tmp_path):
+    """reward.normalize: whatever offset and scale the Bradley-Terry fit left, the RM reads the SFT samples it is
+    normalised on at mean 0, std 1 (so train.penalty_reward_value = -1 is one std below them), every later load
+    reads it so (the stage's figures are in its config), and the ranking is the raw head's."""
+    from conftest import ci_config
+
+    from rlhf.data.schemas import PreferencePairs
+    from rlhf.data.splits import load_split
+    from rlhf.models.forward import reward_normalization
+    from rlhf.stages import reward
+
+    rm = loading.load_reward_model(ci_stages / "reward" / "model")
+    metrics = json.loads((ci_stages / "metrics" / "reward.json").read_text())
+    assert reward_normalization(rm) == (metrics["raw_score_mean"], metrics["raw_score_std"])
+    df = load_split(ci_stages / "reward" / "pairs", "train", PreferencePairs)
+    tok = loading.load_tokenizer(ci_stages / "sft")
+    df["prompt_ids"] = loading.encode_prompts(tok, list(df["prompt"]), ci_config(ci_stages).data.chat_template)
+    for column in ("chosen", "rejected"):  # the saved pairs are text
+        df[f"{column}_ids"] = [tok(t, add_special_tokens=False)["input_ids"] for t in df[column]]
+
+    def scores():
+        with torch.no_grad():
+            return torch.cat(reward._pair_scores(rm, tok, df, "cpu"))
+
+    stats = reward.normalize(rm, tok, df, 8, "cpu")  # on these pairs, 8 a batch
+    normalized = scores()
+    assert float(normalized.mean()) == pytest.approx(0, abs=1e-5) and float(normalized.std()) == pytest.approx(1)
+    rm.config.reward_normalization = None
+    raw = scores()
+    assert stats["raw_score_mean"] == pytest.approx(float(raw.mean()))
+    assert stats["raw_score_std"] == pytest.approx(float(raw.std()))
+    assert torch.equal(raw.argsort(), normalized.argsort())
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("prepared", "gold", "sft"):
+        (data / name).symlink_to(ci_stages / name)
+    off = reward.run(ci_config(data, "reward.normalize=false"))
+    assert "raw_score_mean" not in off
+    assert reward_normalization(loading.load_reward_model(data / "reward" / "model")) is None
+
+
 def test_a_pretrained_reward_model_of_another_tokenizer_is_refused_in_one_line(ci_stages, tmp_path):
     """The RM is saved and used with the SFT policy's tokenizer: one trained with another would score other words."""
     from conftest import ci_config

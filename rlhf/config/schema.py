@@ -159,6 +159,12 @@ class RewardConfig(_Section):
     learning_rate: float = Field(1e-3, gt=0, description="AdamW learning rate, decayed linearly to 0")
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="pairs held out to measure agreement with gold")
     min_gold_margin: float = Field(0.0, ge=0, description="drop pairs whose gold scores differ by less")
+    normalize: bool = Field(
+        True,
+        description="shift and scale the RM's scores so the SFT samples of its pairs score mean 0, std 1 "
+        "(lm-human-preferences): a Bradley-Terry fit leaves both arbitrary, and train.penalty_reward_value and "
+        "kl_coef are read against them",
+    )
 
 
 class LoraConfig(_Section):
@@ -210,7 +216,9 @@ class TrainConfig(_Section):
     response_length: int = Field(24, gt=0, description="max new tokens per sample")
     temperature: float = Field(0.7, gt=0, description="sampling temperature; log-probs use the same tempered policy")
     non_eos_penalty: bool = Field(True, description="replace the score of samples without EOS")
-    penalty_reward_value: float = Field(-1.0, description="score given to samples without EOS")
+    penalty_reward_value: float = Field(
+        -1.0, description="score given to samples without EOS (-1: one std below the SFT's samples, reward.normalize)"
+    )
     max_staleness: int = Field(1, ge=0, description="async: how many updates old a batch's weights may be")
     learner_first_batches: int = Field(
         0,

@@ -96,9 +96,14 @@ def sequence_scores(
     context: int,
     last_index: torch.Tensor,
 ) -> torch.Tensor:
-    """Reward-model score of each sequence (n,): the `score` head on its pooled hidden state (`pooled_hidden`)."""
+    """Reward-model score of each sequence (n,): the `score` head on its pooled hidden state (`pooled_hidden`), in
+    the units the reward stage calibrated it to (`reward_normalization`)."""
     pooled = pooled_hidden(model, sequences, attn, positions, context, last_index)
-    return as_dtype(model.score(pooled).squeeze(-1), torch.float32)
+    scores = as_dtype(model.score(pooled).squeeze(-1), torch.float32)
+    if (norm := reward_normalization(model)) is None:
+        return scores
+    mean, std = norm
+    return (scores - mean) / std
 
 
 def pooled_hidden(
@@ -127,6 +132,15 @@ def reward_pooling(model: nn.Module) -> str:
     models from elsewhere (a hub RM) read the last token."""
     config = model.module.config if hasattr(model, "module") else model.config  # a DeepSpeed engine wraps it
     return getattr(config, "reward_pooling", "last")
+
+
+def reward_normalization(model: nn.Module) -> tuple[float, float] | None:
+    """(mean, std) of the raw head's scores on the SFT samples the reward model was fitted on, saved in its config
+    by the reward stage (`reward.normalize`): scores are read as (raw - mean) / std, so the SFT policy's samples
+    score 0 +- 1 whatever the fit's offset and scale. None for models from elsewhere (a hub RM) and earlier ones."""
+    config = model.module.config if hasattr(model, "module") else model.config
+    norm = getattr(config, "reward_normalization", None)
+    return None if norm is None else (float(norm[0]), float(norm[1]))
 
 
 class PolicyAndValueWrapper(nn.Module):

@@ -89,6 +89,27 @@ def _pair_scores(model, tokenizer, df: pd.DataFrame, device) -> tuple[torch.Tens
 
 
 @torch.no_grad()
+def normalize(model, tokenizer, df: pd.DataFrame, batch_size: int, device) -> dict:
+    """reward.normalize: the raw scores' mean and std over the SFT samples of the pairs `df` (chosen and rejected),
+    kept in the model's config, so that every later read (rlhf.models.forward.sequence_scores) gives those samples
+    mean 0 and std 1. Source: Ziegler et al. 2019 (lm-human-preferences), which normalises its reward model on the
+    initial policy's samples before RL. A Bradley-Terry fit fixes only score differences: its offset (the head has
+    no bias) and scale come out of the fit, and the missing-EOS penalty (train.penalty_reward_value, which replaces
+    a score) and kl_coef mean something else for every fit. Seen on SmolLM2 (2026-12-03): SFT samples scored ~-5,
+    so the penalty of -1 rewarded not ending, and online DPO's EOS rate fell from 0.56 to 0.06."""
+    model.eval()
+    model.config.reward_normalization = None  # the raw head
+    batches = range(0, len(df), batch_size)
+    raw = torch.cat([torch.cat(_pair_scores(model, tokenizer, df.iloc[i : i + batch_size], device)) for i in batches])
+    raw = raw.double()
+    mean, std = float(raw.mean()), float(raw.std())
+    if not std > 1e-6:
+        raise ValueError(f"reward: the reward model scores its {len(raw)} SFT samples alike (std {std:.2g})")
+    model.config.reward_normalization = [mean, std]
+    return {"raw_score_mean": mean, "raw_score_std": std}
+
+
+@torch.no_grad()
 def agreement(model, tokenizer, df: pd.DataFrame, batch_size: int, device) -> float:
     model.eval()
     wins = []
@@ -253,6 +274,9 @@ def run(cfg: Config) -> dict:
         else:
             trained = {"train_loss": train_reward_model(cfg, model, tokenizer, train_df, device)}
         trained["agreement_train"] = agreement(model, tokenizer, train_df.iloc[:512], rc.batch_size, device)
+    if cfg.reward.normalize:  # on the pairs it was fitted on (a pretrained RM: on all of them)
+        fitted_on = test_df if cfg.reward.pretrained else train_df
+        trained.update(normalize(model, tokenizer, fitted_on, cfg.reward.batch_size, device))
     metrics = {
         "n_pairs": len(pairs),
         "n_test": n_test,

@@ -10,14 +10,15 @@ TIED_TEMPERATURE = 0.05  # sampling colder than this, a prompt's k samples are n
 
 
 def final_metrics(rows: list[dict], state) -> dict:
-    """Results only: `final/<metric>` = the mean over the last quarter of the rows, the first batch's scores and
-    gold, episodes and optimizer steps (state: the loop's checkpoint.LoopState). Wall-clock figures (timing/*,
+    """Results only: `final/<metric>` = the mean over the last quarter of the rows, the first batch's scores, gold
+    and EOS rate, episodes and optimizer steps (state: the loop's checkpoint.LoopState). Wall-clock figures (timing/*,
     eps) differ between identical runs: they go to timing/train.csv (rlhf.tracking)."""
     last = rows[-max(1, len(rows) // 4) :]
     final = {f"final/{k}": v for k, v in mean_stats(last).items() if not (is_wall_clock(k) or k.startswith("train/"))}
     final.update({"episodes": state.episode, "optimizer_steps": state.global_step})
     first = rows[0] if rows else {}
-    final.update({f"first/{k}": first[k] for k in ("objective/scores", "objective/gold") if k in first})
+    kept = ("objective/scores", "objective/gold", "completions/eos_rate")  # a policy that stops ending shows
+    final.update({f"first/{k}": first[k] for k in kept if k in first})
     return final
 
 
