@@ -9,6 +9,7 @@ model (`make run`'s; the report refuses points trained on other inputs), with th
 100% of the budget (tiny's train.eval_checkpoints).
 
   python bench/offpolicy_one_rm.py list | queue [--jobs J] | report     bench/metrics/offpolicy_one_rm.{csv,md}
+  python bench/offpolicy_one_rm.py --profile smollm2 queue --jobs 1       ..._smollm2.{csv,md}
 
 The rules, fixed in the commit that added this file, before any of its points ran. Win-rate = gold win-rate vs SFT
 on the 512 eval prompts, KL = KL(policy || SFT), means over the four seeds unless said otherwise.
@@ -24,13 +25,24 @@ on the 512 eval prompts, KL = KL(policy || SFT), means over the four seeds unles
   algorithm's retention over the seeds).
 Every win-rate is reported with the seeds' spread and a 95% interval over eval prompts (binomial: 1.96 x sqrt(p (1 -
 p) / n) for n = 512 prompts a seed, of the seeds' mean: / sqrt(4)); the interval is read beside the rules, it does
-not change them. The same at N = 1 and 16 on SmolLM2 is a separate run (not in this file).
+not change them.
+
+The SmolLM2 half (`--profile smollm2`; fixed 2026-12-03, after the profile's default run was seen to learn under the
+fifth rule of docs/benchmarks.md, "SmolLM2 learns again", and before any of these points ran): the same four
+algorithms x N in {1, 16} x the profile's RL seeds 1234 and 1235, og-smol-<algorithm>-n<N>-s<seed>, every point on
+the smollm2 profile's own data, judge, SFT policy and normalised reward model (built by the first point, restored
+from DVC's run cache by the others; the report refuses points trained on other inputs), LoRA as the profile has it,
+its kept policies at 50% and 100%. R1 and R2 as above with those: R1 reads N = 16 against the N = 1 frontier (SFT,
+50%, 100%), R2 retention at 50% and 100%; the interval over n = 128 eval prompts, of the two seeds' mean. Run it with
+one queue worker (`--jobs 1`): two SmolLM2 runs side by side on 2 cores took 7x longer an update, and each would build
+the inputs. ~16 points of ~12 min and ~20 min of inputs: about 3.5 h here.
 """
 
 from __future__ import annotations
 
 import itertools
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import offpolicy
@@ -39,20 +51,45 @@ from common import run_main  # bench/ is sys.path[0]
 
 from rlhf.io import write_text
 
-SEEDS = (5, 6, 7, 8)
-MINI_BATCHES = (1, 4, 16)
-KEPT = (0.25, 0.5, 1.0)  # R2's kept policies
 MARGIN = 0.03
-EVAL_PROMPTS = 512  # tiny's data.n_eval_prompts: the binomial interval's n
-PREFIX = "og"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One grid's points and what its rules read: the profile (None: params.yaml's default, `tiny`), RL seeds, N
+    values, R2's kept policies (fractions of the budget) and the eval prompts a win-rate is over."""
+
+    profile: str | None
+    seeds: tuple[int, ...]
+    mini_batches: tuple[int, ...]
+    kept: tuple[float, ...]
+    eval_prompts: int
+    prefix: str
+
+    def points(self) -> dict[str, list[str]]:
+        """Every point: its name and its `-S` settings."""
+        profile = [] if self.profile is None else [f"profile={self.profile}"]
+        return {
+            f"{self.prefix}-{a}-n{n}-s{s}": [
+                *profile,
+                f"train.trainer={a}",
+                f"train.num_mini_batches={n}",
+                f"train.seed={s}",
+            ]
+            for a, n, s in itertools.product(offpolicy.ALGORITHMS, self.mini_batches, self.seeds)
+        }
+
+
+TINY = Grid(None, (5, 6, 7, 8), (1, 4, 16), (0.25, 0.5, 1.0), 512, "og")
+# fixed 2026-12-03 before any of its points ran: the profile's own seeds, its kept policies (train.eval_checkpoints)
+SMOLLM2 = Grid("smollm2", (1234, 1235), (1, 16), (0.5, 1.0), 128, "og-smol")
+GRIDS = {"tiny": TINY, "smollm2": SMOLLM2}
+SEEDS, MINI_BATCHES, KEPT, EVAL_PROMPTS = TINY.seeds, TINY.mini_batches, TINY.kept, TINY.eval_prompts
 
 
 def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
-    """Every point: its name and its `-S` settings."""
-    return {
-        f"{PREFIX}-{a}-n{n}-s{s}": [f"train.trainer={a}", f"train.num_mini_batches={n}", f"train.seed={s}"]
-        for a, n, s in itertools.product(offpolicy.ALGORITHMS, MINI_BATCHES, seeds)
-    }
+    """The `tiny` grid's points (seeds: other seeds than its own)."""
+    return Grid(None, seeds, MINI_BATCHES, KEPT, EVAL_PROMPTS, TINY.prefix).points()
 
 
 def frontier(kept: pd.DataFrame, algorithm: str, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -71,16 +108,18 @@ def loss_at_equal_kl(kept: pd.DataFrame, algorithm: str, n: int) -> float | None
     return float(np.mean(gaps)) if len(gaps) >= 2 else None
 
 
-def rule_one(kept: pd.DataFrame) -> list[str]:
-    """R1's table and verdict."""
+def rule_one(kept: pd.DataFrame, grid: Grid = TINY) -> list[str]:
+    """R1's table and verdict: every N > 1 of the grid, read at N = 16."""
     algorithms = list(dict.fromkeys(kept["algorithm"]))
-    lines = ["| algorithm | loss at equal KL, N = 4 | N = 16 | robust at 16 (<= MARGIN) |", "|---|---|---|---|"]
+    ns = grid.mini_batches[1:]
+    columns = " | ".join(f"loss at equal KL, N = {n}" if i == 0 else f"N = {n}" for i, n in enumerate(ns))
+    lines = [f"| algorithm | {columns} | robust at 16 (<= MARGIN) |", "|---|" + "---|" * (len(ns) + 1)]
     at16 = {}
     for a in algorithms:
-        losses = [loss_at_equal_kl(kept, a, n) for n in (4, 16)]
-        at16[a] = losses[1]
+        losses = [loss_at_equal_kl(kept, a, n) for n in ns]
+        at16[a] = losses[-1]
         cells = " | ".join("not testable" if x is None else f"{x:+.3f}" for x in losses)
-        lines.append(f"| {a} | {cells} | {'-' if losses[1] is None else losses[1] <= MARGIN} |")
+        lines.append(f"| {a} | {cells} | {'-' if losses[-1] is None else losses[-1] <= MARGIN} |")
     tested = {a: x for a, x in at16.items() if x is not None}
     if "online_dpo" not in tested or len(tested) < 2:
         return [*lines, "", "R1: not testable (online DPO's or the others' N = 16 loss at equal KL is missing)."]
@@ -94,11 +133,11 @@ def rule_one(kept: pd.DataFrame) -> list[str]:
     ]
 
 
-def rule_two(kept: pd.DataFrame) -> list[str]:
-    """R2's table and verdict: retention at KEPT, its lead and the seeds' spread."""
+def rule_two(kept: pd.DataFrame, grid: Grid = TINY) -> list[str]:
+    """R2's table and verdict: retention at the grid's kept policies, its lead and the seeds' spread."""
     lines = ["| kept policy | most retained | its mean | next | margin | seeds' spread |", "|---|---|---|---|---|---|"]
     held = []
-    for fraction in KEPT:
+    for fraction in grid.kept:
         at = kept[kept["fraction"] == fraction].assign(S=0)
         mean, spread = offpolicy.retained(offpolicy.retention(at).dropna())
         if len(mean) < 2:
@@ -107,10 +146,11 @@ def rule_two(kept: pd.DataFrame) -> list[str]:
         held.append(best == "online_dpo" and margin > spread)
         lines.append(f"| {fraction:.0%} | {best} | {mean[best]:.2f} | {runner_up} | {margin:.2f} | {spread:.2f} |")
     verdict = "holds" if all(held) else "does not hold"
-    return [*lines, "", f"R2: the paper's claim {verdict} by R2 (online DPO the most retained at 25%, 50% and 100%)."]
+    at = ", ".join(f"{f:.0%}" for f in grid.kept[:-1]) + f" and {grid.kept[-1]:.0%}"
+    return [*lines, "", f"R2: the paper's claim {verdict} by R2 (online DPO the most retained at {at})."]
 
 
-def win_table(kept: pd.DataFrame) -> list[str]:
+def win_table(kept: pd.DataFrame, grid: Grid = TINY) -> list[str]:
     """Every algorithm, N and kept policy: mean win-rate, the seeds' half-range, the interval over prompts, KL."""
     lines = [
         "| algorithm | N | kept | win-rate | seeds' half-range | 95% over prompts | KL |",
@@ -118,39 +158,35 @@ def win_table(kept: pd.DataFrame) -> list[str]:
     ]
     for (a, n, f), g in kept.groupby(["algorithm", "N", "fraction"], sort=False):
         p, seeds = g["win_rate_vs_sft"].mean(), g["win_rate_vs_sft"]
-        interval = 1.96 * np.sqrt(p * (1 - p) / EVAL_PROMPTS) / np.sqrt(len(g))
+        interval = 1.96 * np.sqrt(p * (1 - p) / grid.eval_prompts) / np.sqrt(len(g))
         half = (seeds.max() - seeds.min()) / 2
         lines.append(f"| {a} | {n} | {f:.0%} | {p:.3f} | {half:.3f} | +-{interval:.3f} | {g['kl'].mean():.2f} |")
     return lines
 
 
-def report(pts: dict[str, list[str]]) -> int:
+def report(grid: Grid) -> int:
+    pts = grid.points()
     exps = offpolicy.experiments()
     if missing := [n for n in pts if n not in exps]:
         sys.exit(f"offpolicy_one_rm: not run yet: {len(missing)} points, e.g. {missing[0]}; `queue` runs them")
     frame = offpolicy.frontier_rows(exps, pts)
     kept = frame[frame["fraction"] > 0]
-    text = (
-        "\n".join(
-            [f"# The off-policy grid under one reward model, seeds {', '.join(map(str, SEEDS))}", ""]
-            + win_table(kept)
-            + [""]
-            + rule_one(kept)
-            + [""]
-            + rule_two(kept)
-        )
-        + "\n"
-    )
-    write_text(offpolicy.OUT / "offpolicy_one_rm.csv", frame.to_csv(index=False))
-    write_text(offpolicy.OUT / "offpolicy_one_rm.md", text)
+    seeds = ", ".join(map(str, grid.seeds))
+    title = f"# The off-policy grid under one reward model, {grid.profile or 'tiny'}, seeds {seeds}"
+    text = "\n".join([title, "", *win_table(kept, grid), "", *rule_one(kept, grid), "", *rule_two(kept, grid)]) + "\n"
+    stem = "offpolicy_one_rm" if grid is TINY else f"offpolicy_one_rm_{grid.profile}"
+    write_text(offpolicy.OUT / f"{stem}.csv", frame.to_csv(index=False))
+    write_text(offpolicy.OUT / f"{stem}.md", text)
     print(text)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = offpolicy.point_parser(__doc__).parse_args(argv)
-    pts = points()
-    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts))
+    ap = offpolicy.point_parser(__doc__)
+    ap.add_argument("--profile", choices=sorted(GRIDS), default="tiny", help="which grid (default tiny)")
+    args = ap.parse_args(argv)
+    grid = GRIDS[args.profile]
+    return offpolicy.run_points(args.command, grid.points(), args.jobs, lambda: report(grid))
 
 
 if __name__ == "__main__":

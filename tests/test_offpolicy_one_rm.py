@@ -71,3 +71,36 @@ def test_rule_two_needs_online_dpo_ahead_at_every_kept_policy():
     held = grid.rule_two(_grid(dpo16=0.05))
     assert held[-1].endswith("claim holds by R2 (online DPO the most retained at 25%, 50% and 100%).")
     assert "does not hold" in grid.rule_two(_grid(dpo16=0.02))[-1]
+
+
+def test_the_smollm2_half_is_the_same_algorithms_at_n_1_and_16_on_the_profiles_seeds_and_kept_policies():
+    from rlhf.config import load_config
+    from rlhf.trainers.setup import Sizes
+
+    points = grid.SMOLLM2.points()
+    assert len(points) == 4 * 2 * 2 and all(name.startswith("og-smol-") for name in points)
+    settings = points["og-smol-ppo-n16-s1235"]
+    cfg = load_config(PARAMS, None, settings)  # the profile comes from the settings, as `-S profile=...` does
+    assert (cfg.profile, cfg.train.trainer, cfg.train.num_mini_batches, cfg.train.seed) == ("smollm2", "ppo", 16, 1235)
+    assert tuple(cfg.train.eval_checkpoints) == grid.SMOLLM2.kept and cfg.data.n_eval_prompts == 128
+    sizes = Sizes.derive(cfg.train, 1)  # 16 mini-batches of 8 prompts a generated batch: sizes that divide
+    assert (sizes.local_batch, sizes.num_batches) == (128, 2)  # the same 32 updates as N = 1's 32 batches
+
+
+def test_the_smollm2_rules_read_its_n_values_and_kept_policies():
+    fractions = grid.SMOLLM2.kept
+    rows = []
+    for a in offpolicy.ALGORITHMS:
+        for n in grid.SMOLLM2.mini_batches:
+            slope = 0.05 if n == 1 or a == "online_dpo" else 0.02
+            for seed in grid.SMOLLM2.seeds:
+                for f in fractions:
+                    rows.append(
+                        dict(algorithm=a, N=n, seed=seed, fraction=f, kl=4 * f, win_rate_vs_sft=0.5 + slope * 4 * f)
+                    )
+    kept = pd.DataFrame(rows)
+    one = grid.rule_one(kept, grid.SMOLLM2)
+    assert one[0] == "| algorithm | loss at equal KL, N = 16 | robust at 16 (<= MARGIN) |" and "holds by R1" in one[-1]
+    two = grid.rule_two(kept, grid.SMOLLM2)
+    assert two[-1].endswith("holds by R2 (online DPO the most retained at 50% and 100%).") and len(two) == 2 + 2 + 2
+    assert any("+-0.061 |" in line for line in grid.win_table(kept, grid.SMOLLM2))  # 1.96 sqrt(.25 / 128) / sqrt(2)
