@@ -76,7 +76,7 @@ test: lint $(STAMP) chromium
 	$(ENV) python -m pytest $(PYTEST_REPORT) -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The inner loop's tier (<= 3 min): unit and small integration tests; none marked `slow` (vLLM engine builds,
-# launchers, servers, pipeline and queue runs: pyproject.toml's markers). CI runs `make test`, all of them.
+# launchers, servers, pipeline and queue runs, the gpu-check dry runs: pyproject.toml's markers). CI runs `make test`, all of them.
 test-fast: lint $(STAMP)
 	$(ENV) python -m pytest $(PYTEST_REPORT) -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 

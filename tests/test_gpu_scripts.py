@@ -114,6 +114,8 @@ def test_gpu_check_pythia_stages_share_one_valid_setting_at_pythia_1bs_shape(tmp
     assert 0.81e9 < tiny.count_parameters(model) < 0.83e9
 
 
+# slow: the device call's script end to end on the CPU, data stages and runs in fresh interpreters (~45-130 s)
+@pytest.mark.slow
 def test_gpu_check_dry_run_prints_a_line_and_figures_per_check(ci_data, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--data", str(ci_data), "--out", str(out)]
@@ -214,6 +216,8 @@ def test_gpu_check_profiled_train_reports_the_ops_time_against_the_steps(ci_data
     assert "Self CPU" in proc.stdout  # the table, for the log
 
 
+# slow: the device call's script end to end on the CPU, data stages and runs in fresh interpreters (~45-130 s)
+@pytest.mark.slow
 def test_gpu_check_profile_groups_dry_run_measures_every_figure_beside_its_target(tmp_path):
     """`--cpu-dry-run --only profile` as the device call runs it, data stages included, at tiny sizes: every check ok,
     its figures measured and consistent with one another, each target printed beside its figure."""

@@ -46,6 +46,8 @@ def test_the_real_dev_shm_holds_a_tiny_models_copies_and_not_an_exabyte(tmp_path
         check_shm_room(2**60, free_bytes())
 
 
+# slow: a DeepSpeed ZeRO-3 launch in a fresh interpreter (~80 s here), as the launcher tests
+@pytest.mark.slow
 def test_zero3_weights_are_gathered_one_parameter_at_a_time():
     """shared_snapshot of a ZeRO-3 model asks GatheredParameters for one weight at a time (was: all of them at
     once, the whole model on every rank), and the copy is the model's (merged) weights (~30 s: DeepSpeed's comm op)."""
