@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import offpolicy
@@ -89,7 +89,7 @@ SEEDS, MINI_BATCHES, KEPT, EVAL_PROMPTS = TINY.seeds, TINY.mini_batches, TINY.ke
 
 def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
     """The `tiny` grid's points (seeds: other seeds than its own)."""
-    return Grid(None, seeds, MINI_BATCHES, KEPT, EVAL_PROMPTS, TINY.prefix).points()
+    return replace(TINY, seeds=seeds).points()
 
 
 def frontier(kept: pd.DataFrame, algorithm: str, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -130,17 +130,20 @@ def pooled_hidden(
 def reward_pooling(model: nn.Module) -> str:
     """ "last" or "mean": how a reward model reads a sequence's score (rlhf.models.loading.reward_model_from_causal);
     models from elsewhere (a hub RM) read the last token."""
-    config = model.module.config if hasattr(model, "module") else model.config  # a DeepSpeed engine wraps it
-    return getattr(config, "reward_pooling", "last")
+    return getattr(_reward_config(model), "reward_pooling", "last")
 
 
 def reward_normalization(model: nn.Module) -> tuple[float, float] | None:
     """(mean, std) of the raw head's scores on the SFT samples the reward model was fitted on, saved in its config
     by the reward stage (`reward.normalize`): scores are read as (raw - mean) / std, so the SFT policy's samples
     score 0 +- 1 whatever the fit's offset and scale. None for models from elsewhere (a hub RM) and earlier ones."""
-    config = model.module.config if hasattr(model, "module") else model.config
-    norm = getattr(config, "reward_normalization", None)
+    norm = getattr(_reward_config(model), "reward_normalization", None)
     return None if norm is None else (float(norm[0]), float(norm[1]))
+
+
+def _reward_config(model: nn.Module):
+    """The reward model's config, where the reward stage saves how it is read (a DeepSpeed engine wraps the model)."""
+    return model.module.config if hasattr(model, "module") else model.config
 
 
 class PolicyAndValueWrapper(nn.Module):
