@@ -40,6 +40,7 @@ import sys
 import time
 from pathlib import Path
 
+import archive
 import pandas as pd
 import yaml
 from common import positive_int, run_main  # bench/ is sys.path[0]
@@ -58,6 +59,7 @@ MIN_GAIN = 0.02  # a win-rate vs SFT at N = 1 within this of 0.5 is no gain: its
 INPUTS = ("prepare", "gold", "sft", "reward")  # the stages before `train`: what a point trains on, not what it varies
 PREFIX = "op"  # experiment names: op-<algorithm>-n<N>-s<seed>, op-async-<algorithm>-S<S>[-tis]-s<seed>
 OUT = ROOT / "bench" / "metrics"
+KEPT = OUT / "points"  # finished points' files, committed (bench/archive.py): they outlive the experiment refs
 
 
 def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
@@ -92,8 +94,9 @@ def dvc(*args: str) -> str:
 def experiments() -> dict[str, str]:
     """The project's finished experiments, name -> revision, from every commit they were run from (`dvc exp show
     --json`; a queued, running or failed one carries its queue task's state, a finished one none or "success").
-    Of two of one name, the later listed wins."""
-    out = {}
+    Of two of one name, the later listed wins; a point kept in bench/metrics/points/ (bench/archive.py) counts too,
+    an experiment of its name in this clone before it."""
+    out = archive.revisions(KEPT)
     # every commit experiments were run from, not only HEAD's: points stay found after a `git pull` or a commit
     baselines = [line.rstrip(":") for line in dvc("exp", "list", "--all-commits").splitlines() if line.endswith(":")]
     revs = itertools.chain.from_iterable(("--rev", b) for b in baselines)
@@ -152,9 +155,12 @@ def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None =
         dvc("exp", "run", "--queue", "--name", name, *overrides, *stage)
     if todo or waiting:
         start_workers(jobs)
-    start, short_polls = time.perf_counter(), 0
+    start, short_polls, ended = time.perf_counter(), 0, 0
     while left := queued() & set(pts):  # other experiments in the queue are not ours to wait for
         print(f"offpolicy: {len(left)} queued or running, {time.perf_counter() - start:.0f} s", flush=True)
+        if len(pts) - len(left) > ended:  # kept as they end: a session cut short keeps what finished
+            keep(experiments(), pts)
+            ended = len(pts) - len(left)
         # Fewer workers than points to run: `dvc queue stop` ends every worker after its task, and a worker also
         # ended with a point still queued (seen 2026-11-28: the last point then waited for the other's 13 min).
         workers = queue_workers()
@@ -165,6 +171,7 @@ def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None =
             short_polls = 0
         time.sleep(30)
     finished = experiments()  # `dvc exp show` over every commit: seconds, asked once
+    keep(finished, pts)
     failed = [n for n in pts if n not in finished]
     print(f"offpolicy: queue empty after {time.perf_counter() - start:.0f} s; {len(failed)} point(s) failed {failed}")
     if failed:
@@ -174,7 +181,10 @@ def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None =
 
 @functools.cache
 def committed(rev: str, path: str) -> str:
-    """The text of `path` as experiment revision `rev` committed it (a metrics or plots file: `cache: false`)."""
+    """The text of `path` as experiment revision `rev` committed it (a metrics or plots file: `cache: false`), or as
+    bench/metrics/points/ keeps it for a kept point's revision."""
+    if (text := archive.read(KEPT, rev, path)) is not None:
+        return text
     return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, text=True, capture_output=True, check=True).stdout
 
 
@@ -406,13 +416,22 @@ def point_parser(doc: str, *commands: str) -> argparse.ArgumentParser:
     return ap
 
 
+def keep(exps: dict[str, str], pts: dict[str, list[str]]) -> None:
+    """Copy the finished points of `pts` not yet kept to bench/metrics/points/ (bench/archive.py); commit them."""
+    if copied := archive.keep(ROOT, KEPT, exps, pts):
+        print(f"offpolicy: {len(copied)} finished point(s) kept in {KEPT.relative_to(ROOT)}/ (commit them)", flush=True)
+
+
 def run_points(command: str, pts: dict[str, list[str]], jobs: int, report, shared=INPUTS) -> int:
     """point_parser's commands: `list` prints the points, `queue` runs the missing ones (`shared`: queue's),
-    `report` calls `report()`."""
+    `report` keeps the finished points (`keep`) and calls `report()`."""
     if command == "list":
         print(point_lines(pts))
         return 0
-    return queue(pts, jobs, shared=shared) if command == "queue" else report()
+    if command == "queue":
+        return queue(pts, jobs, shared=shared)
+    keep(experiments(), pts)
+    return report()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,7 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "list":
         print(point_lines(pts))
         return 0
-    return queue(pts, args.jobs) if args.command == "queue" else report(experiments(), pts, seeds, args.replace)
+    if args.command == "queue":
+        return queue(pts, args.jobs)
+    keep(exps := experiments(), pts)
+    return report(exps, pts, seeds, args.replace)
 
 
 if __name__ == "__main__":

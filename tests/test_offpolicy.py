@@ -99,6 +99,11 @@ def test_points_run_through_the_dvc_queue_once_and_reach_the_tables(tmp_path, dv
     # the project carries the committed grid (a dep of the report stage): its points are not this project's runs
     kept = subprocess.run([*script, "report", *only], cwd=repo, env=env, capture_output=True, text=True)
     assert kept.returncode == 1 and "point(s) not among this project's finished experiments" in kept.stderr
+    # the finished point is kept in bench/metrics/points/: with its experiment gone (a new clone), it is still done
+    kept_lock = repo / "bench" / "metrics" / "points" / "op-online_dpo-n4-s1" / "dvc.lock"
+    assert "md5:" in kept_lock.read_text()
+    run_ok(["dvc", "exp", "remove", "op-online_dpo-n4-s1"], repo, env)
+    assert "1 points, 1 done, 0 to queue" in run_ok([*script, "queue", *only], repo, env)
     report = run_ok([*script, "report", "--replace", *only], repo, env)
     assert "| online_dpo | 4 |" in report and "1 of 1 points" in report and "No verdict" in report
     frame = pd.read_csv(repo / "bench" / "metrics" / "offpolicy.csv")
@@ -140,6 +145,7 @@ def test_no_point_is_queued_from_a_stale_dvc_lock_once_points_have_run(monkeypat
 
     monkeypatch.setattr(offpolicy, "dvc", dvc)
     monkeypatch.setattr(offpolicy, "experiments", lambda: {"op-a": "rev"})
+    monkeypatch.setattr(offpolicy, "keep", lambda exps, pts: None)  # "rev" is no commit to copy from
     monkeypatch.setattr(offpolicy, "queued", set)
     with pytest.raises(SystemExit, match=r"offpolicy: sft: not what dvc.lock records .* unlike the 1 already run"):
         offpolicy.queue({"op-a": [], "op-b": ["train.seed=2"]}, jobs=1)
@@ -169,6 +175,7 @@ def test_waiting_points_get_workers_again_when_fewer_run_than_asked_for(monkeypa
     monkeypatch.setattr(offpolicy, "queued", lambda: next(polls) if started else set())
     monkeypatch.setattr(offpolicy, "dvc", lambda *args: "")  # `dvc exp run --queue`: queued
     monkeypatch.setattr(offpolicy, "queue_workers", lambda: workers)
+    monkeypatch.setattr(offpolicy, "keep", lambda exps, pts: None)  # "rev" is no commit to copy from
     monkeypatch.setattr(offpolicy, "start_workers", started.append)
     monkeypatch.setattr(offpolicy.time, "sleep", lambda seconds: None)
     assert offpolicy.queue(dict.fromkeys(waiting, []), jobs=2) == 0
@@ -188,3 +195,37 @@ def test_a_report_keeps_the_points_its_committed_tables_hold_unless_told(monkeyp
     assert len(pd.read_csv(tmp_path / "offpolicy.csv")) == 2 and not (tmp_path / "offpolicy.md").exists()
     assert offpolicy.report({}, {}, replace=True) == 0
     assert list(pd.read_csv(tmp_path / "offpolicy.csv")["point"]) == ["ppo-1-1"]
+
+
+def test_a_kept_point_is_read_like_its_commit_and_a_half_copied_one_is_not_kept(tmp_path):
+    """bench/archive.py: a finished point's metrics, plots and dvc.lock outputs, copied from its experiment commit,
+    read back as that commit would give them; a copy cut short (no dvc.lock yet) is no kept point."""
+    import archive
+
+    env = isolated_env(tmp_path)
+    repo = tmp_path / "repo"
+    files = {
+        "data/metrics/eval.json": '{"win_rate_vs_sft": 0.7}\n',
+        "data/plots/frontier.csv": "episode,fraction,kl,win_rate_vs_sft\n0,0.0,0.0,0.5\n",
+        "dvc.lock": "schema: '2.0'\nstages:\n  sft:\n    cmd: python -m rlhf.stages.sft\n    deps: []\n"
+        "    outs:\n    - path: data/sft\n      hash: md5\n      md5: abc.dir\n      size: 3\n",
+        "rlhf/big.py": "not a result\n",
+    }
+    for path, text in files.items():
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).write_text(text)
+    run_ok(["git", "init", "-q"], repo, env)
+    run_ok(["git", "add", "-A"], repo, env)
+    run_ok(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "point"], repo, env)
+    rev = run_ok(["git", "rev-parse", "HEAD"], repo, env).strip()
+    kept = tmp_path / "points"
+    assert archive.keep(repo, kept, {"op-a": rev, "op-b": "kept:op-b"}, ["op-a", "op-b", "op-c"]) == ["op-a"]
+    assert archive.revisions(kept) == {"op-a": "kept:op-a"}
+    assert archive.read(kept, "kept:op-a", "data/plots/frontier.csv") == files["data/plots/frontier.csv"]
+    assert archive.read(kept, rev, "data/metrics/eval.json") is None  # a Git revision: git show's to read
+    assert not (kept / "op-a" / "rlhf").exists()  # only what a report reads
+    lock = archive.read(kept, "kept:op-a", "dvc.lock")
+    assert "abc.dir" in lock and "cmd" not in lock
+    assert archive.keep(repo, kept, {"op-a": rev}, ["op-a"]) == []  # kept once
+    (kept / "op-d" / "data" / "metrics").mkdir(parents=True)  # cut short before its dvc.lock
+    assert set(archive.revisions(kept)) == {"op-a"}
