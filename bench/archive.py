@@ -1,6 +1,6 @@
 """Finished experiments' small files, committed: a bench's points outlive DVC's experiment refs.
 
-A point of a bench (bench/offpolicy.py's machinery) is a DVC experiment: a commit under refs/exps that only this
+A point of a bench (bench/dvc_points.py) is a DVC experiment: a commit under refs/exps that only this
 clone holds until `dvc exp push` sends it to a Git remote. Where there is none to push to, or a grid takes longer
 than one sitting (the SmolLM2 grid: ~3.5 h), `keep` copies what the reports read from each finished point's commit
 (data/metrics/*.json, data/plots/*.csv and dvc.lock's stage outputs, ~30 kB) to bench/metrics/points/<name>/, and

@@ -14,7 +14,7 @@ each with M = 4 mini-batches per generated batch (`train.num_mini_batches=4`), s
 within a batch's update (the clipping around pi_prox is what the decoupled objective adds beside the weights), and
 everything else `tiny`'s: 1,024 prompts, here in 16 generated batches of 64, the same 64 updates, the same data, SFT
 policy and reward model; RL seeds 1, 2, 3 (`train.seed`). Each point is a DVC experiment queued by
-bench/offpolicy.py's machinery (dc-<algorithm>-<variant>-s<seed>).
+bench/dvc_points.py (dc-<algorithm>-<variant>-s<seed>).
 RLOO's decoupled loss is token-level (rlhf/algorithms/rloo.py, `token_policy_loss`, says why) where its naive and tis
 losses clip one ratio per sequence: its comparison measures the decoupled objective as a run switches it on, form and
 weights together. PPO's three losses are all token-level: its comparison isolates the correction.
@@ -48,6 +48,7 @@ import io
 import itertools
 import sys
 
+import dvc_points
 import numpy as np
 import offpolicy
 import pandas as pd
@@ -92,7 +93,7 @@ def variant_of(name: str) -> str:
 
 
 def kept_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    """frontier rows (offpolicy.frontier_rows) of the kept policies, with each point's variant."""
+    """frontier rows (dvc_points.frontier_rows) of the kept policies, with each point's variant."""
     kept = frame[frame["fraction"] > 0]
     kept = kept.assign(variant=kept["point"].map(variant_of))
     return kept[["algorithm", "variant", "seed", "fraction", "episode", "win_rate_vs_sft", "kl"]]
@@ -172,7 +173,7 @@ def diagnostics(exps: dict[str, str], pts: dict[str, list[str]]) -> pd.DataFrame
     experiment committed it; NaN where a variant does not log one)."""
     rows = []
     for name in (n for n in pts if n in exps):
-        train = pd.read_csv(io.StringIO(offpolicy.committed(exps[name], "data/plots/train.csv")))
+        train = pd.read_csv(io.StringIO(dvc_points.committed(exps[name], "data/plots/train.csv")))
         means = {k: float(train[k].mean()) if k in train else float("nan") for k in DIAGNOSTICS}
         rows.append(dict(algorithm=name.split("-")[1], variant=variant_of(name), **means))
     return pd.DataFrame(rows).groupby(["algorithm", "variant"], sort=False).mean().reset_index()
@@ -191,10 +192,10 @@ def verdicts(kept: pd.DataFrame) -> list[str]:
 def report(pts: dict[str, list[str]]) -> int:
     """bench/metrics/decoupled.csv (every kept policy of every point) and decoupled.md (the table, the verdicts and
     the corrections' diagnostics)."""
-    exps = offpolicy.experiments()
+    exps = dvc_points.experiments()
     if missing := [n for n in pts if n not in exps]:
         sys.exit(f"decoupled: not run yet: {missing}; `python bench/decoupled.py queue` runs them")
-    kept = kept_rows(offpolicy.frontier_rows(exps, pts))
+    kept = kept_rows(dvc_points.frontier_rows(exps, pts))
     seeds = ", ".join(map(str, sorted(kept["seed"].unique())))
     text = f"# Naive vs decoupled (AReaL) at S = {STALENESS}, M = {MINI_BATCHES}, `tiny` (seeds {seeds})\n\n"
     text += table(kept) + "\n\n" + "\n".join(verdicts(kept)) + "\n\n"
@@ -207,10 +208,10 @@ def report(pts: dict[str, list[str]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = offpolicy.point_parser(__doc__)
+    ap = dvc_points.point_parser(__doc__)
     args = ap.parse_args(argv)
     pts = points()
-    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts))
+    return dvc_points.run_points(args.command, pts, args.jobs, lambda: report(pts))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Does sampling with vLLM train worse than sampling with HF generate? RLOO on `tiny`, 5 RL seeds x {HF generate,
-colocated vLLM}, as DVC experiments through the queue (bench/offpolicy.py's machinery; the HF seeds 1-2 are the
+colocated vLLM}, as DVC experiments through the queue (bench/dvc_points.py; the HF seeds 1-2 are the
 off-policy grid's N = 1 RLOO points, reused).
 
 The rule, fixed before the runs: per metric, the 90% confidence interval of the mean difference (HF - vLLM, Welch)
@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 from common import run_main  # bench/ is sys.path[0]
-from offpolicy import OUT, add_jobs, committed, experiments, queue
+from dvc_points import OUT, add_jobs, committed, experiments, queue
 from scipy import stats
 
 from rlhf.io import write_text

@@ -2,7 +2,7 @@
 
 The paper: sampling K = 4 completions per prompt reaches the same win-rate in half the steps, at the cost of more KL
 drift (a training-bound optimisation: more generation per step, fewer steps). Each point is a DVC experiment queued
-by bench/offpolicy.py's machinery; K = 2 with N = 1 is the off-policy grid's own point (op-online_dpo-n1-s<seed>), so
+by bench/dvc_points.py; K = 2 with N = 1 is the off-policy grid's own point (op-online_dpo-n1-s<seed>), so
 one already run is not run again. Everything else is the `tiny` default: 1,024 prompts, 64 updates, the same data,
 SFT policy and reward model.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import sys
 
+import dvc_points
 import offpolicy
 import pandas as pd
 from common import ROOT, cpu_flags, positive_int, run_main, run_process_tree, scratch_data
@@ -120,13 +121,13 @@ def time_to_kept(rounds: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = offpolicy.point_parser(__doc__, "time")
+    ap = dvc_points.point_parser(__doc__, "time")
     ap.add_argument("--rounds", type=positive_int, default=2, help="`time`: rounds of K = 2 and K = 4 in turn")
     args = ap.parse_args(argv)
     if args.command == "time":
         return time_to_kept(args.rounds)
     pts = points()
-    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts))
+    return dvc_points.run_points(args.command, pts, args.jobs, lambda: report(pts))
 
 
 if __name__ == "__main__":

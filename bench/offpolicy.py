@@ -30,24 +30,16 @@ only seeds 3 and 4 test it.
 from __future__ import annotations
 
 import argparse
-import functools
-import io
 import itertools
-import json
-import re
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-import archive
+import dvc_points
 import pandas as pd
-import yaml
-from common import positive_int, run_main  # bench/ is sys.path[0]
+from common import run_main  # bench/ is sys.path[0]
+from dvc_points import OUT
 
 from rlhf.io import write_text
 
-ROOT = Path.cwd()  # the DVC project: `make offpolicy` runs in this one; a test runs it in a copy
 ALGORITHMS = ("ppo", "rloo", "online_dpo", "bok")  # bok: best-of-2 SFT, the paper's control for DPO's two samples
 MINI_BATCHES = (1, 4, 16)  # N
 SEEDS = (1, 2)
@@ -56,10 +48,7 @@ ASYNC_ALGORITHMS = ("online_dpo", "rloo")
 TIS_CAP = 2.0  # truncation of the per-sequence importance weight pi_learner / pi_engine (rlhf/trainers/loop.py)
 EARLY = (0.25, 0.5)  # the second rule's kept policies (fractions of the budget)
 MIN_GAIN = 0.02  # a win-rate vs SFT at N = 1 within this of 0.5 is no gain: its retention is undefined
-INPUTS = ("prepare", "gold", "sft", "reward")  # the stages before `train`: what a point trains on, not what it varies
 PREFIX = "op"  # experiment names: op-<algorithm>-n<N>-s<seed>, op-async-<algorithm>-S<S>[-tis]-s<seed>
-OUT = ROOT / "bench" / "metrics"
-KEPT = OUT / "points"  # finished points' files, committed (bench/archive.py): they outlive the experiment refs
 
 
 def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
@@ -75,164 +64,6 @@ def points(seeds: tuple[int, ...] = SEEDS) -> dict[str, list[str]]:
     stalest += [f"train.tis_cap={TIS_CAP}", f"train.seed={seeds[0]}"]
     out[f"{PREFIX}-async-rloo-S{max(STALENESS)}-tis-s{seeds[0]}"] = stalest
     return out
-
-
-def point_lines(pts: dict[str, list[str]]) -> str:
-    """One line per point: its name and its `-S` settings (`list`)."""
-    return "\n".join(f"{n}: {' '.join(s)}" for n, s in pts.items())
-
-
-def dvc(*args: str) -> str:
-    """Run `dvc ARGS` in the project; its stdout. A failure ends this script with DVC's own message."""
-    proc = subprocess.run(["dvc", *args], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        error = " ".join(line.strip() for line in (proc.stderr or "").strip().splitlines()[-4:])
-        sys.exit(f"offpolicy: `dvc {' '.join(args)}` failed: {error}")
-    return proc.stdout or ""
-
-
-def experiments() -> dict[str, str]:
-    """The project's finished experiments, name -> revision, from every commit they were run from (`dvc exp show
-    --json`; a queued, running or failed one carries its queue task's state, a finished one none or "success").
-    Of two of one name, the later listed wins; a point kept in bench/metrics/points/ (bench/archive.py) counts too,
-    an experiment of its name in this clone before it."""
-    out = archive.revisions(KEPT)
-    # every commit experiments were run from, not only HEAD's: points stay found after a `git pull` or a commit
-    baselines = [line.rstrip(":") for line in dvc("exp", "list", "--all-commits").splitlines() if line.endswith(":")]
-    revs = itertools.chain.from_iterable(("--rev", b) for b in baselines)
-    for commit in json.loads(dvc("exp", "show", "--json", "--no-fetch", *revs) or "[]"):
-        for exp in commit.get("experiments") or []:
-            if (exp.get("executor") or {}).get("state", "success") != "success":
-                continue
-            for rev in exp.get("revs") or []:
-                if rev.get("name") and not rev.get("error"):
-                    out[rev["name"]] = rev["rev"]
-    return out
-
-
-def queued() -> set[str]:
-    """Names of experiments waiting or running in DVC's queue (`dvc queue status`)."""
-    rows = dvc("queue", "status").splitlines()[1:]
-    return {r.split()[1] for r in rows if re.search(r"\b(Queued|Running)\b", r) and len(r.split()) > 1}
-
-
-def stale(stages) -> list[str]:
-    """Those of `stages` whose inputs or outputs are not what the workspace's dvc.lock records (`dvc status`)."""
-    return sorted(set(json.loads(dvc("status", "--json") or "{}")) & set(stages))
-
-
-def queue_workers() -> int:
-    """DVC's queue workers, busy or idle (`dvc queue status`'s `Worker status: N active, M idle`)."""
-    found = re.search(r"Worker status: (\d+) active, (\d+) idle", dvc("queue", "status"))
-    return int(found.group(1)) + int(found.group(2)) if found else 0
-
-
-def start_workers(jobs: int) -> None:
-    """`dvc queue start --jobs J`: as many new workers as make J; they are daemons: given our stdout, they would hold
-    it open until they end."""
-    subprocess.run(["dvc", "queue", "start", "--jobs", str(jobs)], cwd=ROOT, stdout=subprocess.DEVNULL, check=True)
-
-
-def queue(pts: dict[str, list[str]], jobs: int, targets: dict[str, str] | None = None, shared=INPUTS) -> int:
-    """Queue the points not run yet, start `jobs` workers, wait until the queue is empty. `targets`: a point's
-    last stage (`dvc exp run <stage>`: it and the stages before it), where not the whole pipeline. `shared`: the
-    stages whose outputs the points share (none where each point builds its own, e.g. a seed of the whole pipeline);
-    not queued while one of them is not what dvc.lock records and points have run."""
-    done, waiting = set(experiments()), queued()
-    todo = {name: s for name, s in pts.items() if name not in done | waiting}
-    ran = done & set(pts)
-    print(f"offpolicy: {len(pts)} points, {len(ran)} done, {len(todo)} to queue")
-    if shared and todo and ran and (changed := stale(shared)):
-        sys.exit(
-            f"offpolicy: {', '.join(changed)}: not what dvc.lock records (`dvc status`), so each point queued now "
-            f"would build it again, unlike the {len(ran)} already run (check_same_inputs); `make run`, commit "
-            "dvc.lock, then queue"
-        )
-    for name, settings in todo.items():
-        # `++key=value`: set the key whether params.yaml's section has it or not (Hydra's override grammar)
-        overrides = itertools.chain.from_iterable(("-S", f"++{s}") for s in settings)
-        stage = [targets[name]] if targets and name in targets else []
-        dvc("exp", "run", "--queue", "--name", name, *overrides, *stage)
-    if todo or waiting:
-        start_workers(jobs)
-    start, short_polls, ended = time.perf_counter(), 0, 0
-    while left := queued() & set(pts):  # other experiments in the queue are not ours to wait for
-        print(f"offpolicy: {len(left)} queued or running, {time.perf_counter() - start:.0f} s", flush=True)
-        if len(pts) - len(left) > ended:  # kept as they end: a session cut short keeps what finished
-            keep(experiments(), pts)
-            ended = len(pts) - len(left)
-        # Fewer workers than points to run: `dvc queue stop` ends every worker after its task, and a worker also
-        # ended with a point still queued (seen 2026-11-28: the last point then waited for the other's 13 min).
-        workers = queue_workers()
-        short_polls = short_polls + 1 if workers < min(jobs, len(left)) else 0
-        if short_polls == 2:
-            print(f"offpolicy: {workers} queue worker(s) for {len(left)} points for 30 s: starting more", flush=True)
-            start_workers(jobs)
-            short_polls = 0
-        time.sleep(30)
-    finished = experiments()  # `dvc exp show` over every commit: seconds, asked once
-    keep(finished, pts)
-    failed = [n for n in pts if n not in finished]
-    print(f"offpolicy: queue empty after {time.perf_counter() - start:.0f} s; {len(failed)} point(s) failed {failed}")
-    if failed:
-        print(f"offpolicy: `dvc queue logs {failed[0]}` shows why; `make offpolicy` runs only the missing points again")
-    return 1 if failed else 0
-
-
-@functools.cache
-def committed(rev: str, path: str) -> str:
-    """The text of `path` as experiment revision `rev` committed it (a metrics or plots file: `cache: false`), or as
-    bench/metrics/points/ keeps it for a kept point's revision."""
-    if (text := archive.read(KEPT, rev, path)) is not None:
-        return text
-    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, text=True, capture_output=True, check=True).stdout
-
-
-def input_hashes(rev: str) -> dict[str, str]:
-    """Each INPUTS stage's output folders (data/prepared, data/sft, ...) as experiment revision `rev`'s dvc.lock
-    records them: stage -> their md5s."""
-    stages = yaml.safe_load(committed(rev, "dvc.lock"))["stages"]
-    return {
-        s: " ".join(o["md5"] for o in stages[s]["outs"] if o["md5"].endswith(".dir")) for s in INPUTS if s in stages
-    }
-
-
-def check_same_inputs(exps: dict[str, str], pts: dict[str, list[str]], varied: dict | None = None) -> None:
-    """Exit, naming two points, if finished points trained on other INPUTS outputs: e.g. queued before and after a
-    change to the stages' code, the later ones rebuilt the SFT policy on one thread (other rounding). varied: stage
-    -> a function of the point's name whose value the stage's outputs may differ by (a bench varying the SFT policy's
-    size: its size); every other stage must be the same for all."""
-    first: dict[tuple[str, str], tuple[str, str]] = {}  # (stage, group) -> the first point seen and its md5s
-    for name in (n for n in pts if n in exps):
-        for stage, md5 in input_hashes(exps[name]).items():
-            group = (varied or {}).get(stage, lambda _: "")(name)
-            other, expected = first.setdefault((stage, group), (name, md5))
-            if md5 != expected:
-                sys.exit(
-                    f"bench: points {other} and {name} trained on other `{stage}` outputs ({expected[:7]} against "
-                    f"{md5[:7]}: queued from other dvc.locks?), so they are not comparable; `dvc exp remove` the "
-                    "stale ones, `make run`, commit dvc.lock and queue them again"
-                )
-
-
-def frontier_rows(exps: dict[str, str], pts: dict[str, list[str]], varied: dict | None = None) -> pd.DataFrame:
-    """One row per kept policy (data/plots/frontier.csv, read from each experiment's commit) of every finished
-    point, with the point's settings: algorithm, N, S (0 = synchronous), tis_cap, seed. The points must have
-    trained on the same inputs but where `varied` says (check_same_inputs)."""
-    check_same_inputs(exps, pts, varied)
-    frames = []
-    for name in (n for n in pts if n in exps):
-        settings = dict(s.split("=", 1) for s in pts[name])
-        frame = pd.read_csv(io.StringIO(committed(exps[name], "data/plots/frontier.csv")))
-        frame.insert(0, "point", name)
-        frame.insert(1, "algorithm", settings["train.trainer"])
-        frame.insert(2, "N", int(settings.get("train.num_mini_batches", 1)))
-        asynchronous = settings.get("train.engine") == "vllm_async"
-        frame.insert(3, "S", int(settings["train.max_staleness"]) if asynchronous else 0)
-        frame.insert(4, "tis_cap", float(settings.get("train.tis_cap", "nan")))
-        frame.insert(5, "seed", int(settings["train.seed"]))
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
 def dpo_variant(key: str, value: int, default: int | None, label: str, seed: int) -> tuple[str, list[str]]:
@@ -257,11 +88,11 @@ def kept_table(kept: pd.DataFrame, column: str) -> str:
 def variant_report(stem: str, pts: dict[str, list[str]], setting: tuple[str, str, int], title: str, verdicts) -> int:
     """bench/metrics/<stem>.{csv,md} of a bench of dpo_variant points (bench/<stem>.py): every kept policy, the
     seeds' table and `verdicts(kept)` (lines). setting: (column, `-S` key, the profile's value) of what varies."""
-    exps = experiments()
+    exps = dvc_points.experiments()
     if missing := [n for n in pts if n not in exps]:
         sys.exit(f"{stem}: not run yet: {missing}; `python bench/{stem}.py queue` runs them")
     column = setting[0]
-    kept = kept_with(frontier_rows(exps, pts), pts, *setting)
+    kept = kept_with(dvc_points.frontier_rows(exps, pts), pts, *setting)
     seeds = ", ".join(map(str, sorted(kept["seed"].unique())))
     text = f"# {title}, `tiny` (seeds {seeds})\n\n{kept_table(kept, column)}\n\n" + "\n".join(verdicts(kept)) + "\n"
     OUT.mkdir(parents=True, exist_ok=True)
@@ -380,7 +211,7 @@ def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ..
     has not run (committed from another machine) are kept unless `replace`."""
     from rlhf.stages.report import offpolicy_png
 
-    frame = frontier_rows(exps, pts)
+    frame = dvc_points.frontier_rows(exps, pts)
     if frame.empty:
         sys.exit("offpolicy: no finished point yet: run `make offpolicy` (or `python bench/offpolicy.py queue`)")
     OUT.mkdir(parents=True, exist_ok=True)
@@ -400,46 +231,12 @@ def report(exps: dict[str, str], pts: dict[str, list[str]], seeds: tuple[int, ..
     return 0
 
 
-def add_jobs(parser: argparse.ArgumentParser) -> None:
-    """`--jobs`: the queue workers of a bench's `queue` command."""
-    parser.add_argument(
-        "--jobs", type=positive_int, default=2, help="queue workers running at once (default 2: one per core)"
-    )
-
-
-def point_parser(doc: str, *commands: str) -> argparse.ArgumentParser:
-    """The command line of a bench of queued points (bench/ppo_epochs.py and others): `list`, `queue`, `report` and
-    `commands`, and `--jobs`."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["list", "queue", "report", *commands])
-    add_jobs(ap)
-    return ap
-
-
-def keep(exps: dict[str, str], pts: dict[str, list[str]]) -> None:
-    """Copy the finished points of `pts` not yet kept to bench/metrics/points/ (bench/archive.py); commit them."""
-    if copied := archive.keep(ROOT, KEPT, exps, pts):
-        print(f"offpolicy: {len(copied)} finished point(s) kept in {KEPT.relative_to(ROOT)}/ (commit them)", flush=True)
-
-
-def run_points(command: str, pts: dict[str, list[str]], jobs: int, report, shared=INPUTS) -> int:
-    """point_parser's commands: `list` prints the points, `queue` runs the missing ones (`shared`: queue's),
-    `report` keeps the finished points (`keep`) and calls `report()`."""
-    if command == "list":
-        print(point_lines(pts))
-        return 0
-    if command == "queue":
-        return queue(pts, jobs, shared=shared)
-    keep(experiments(), pts)
-    return report()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("list", help="every point: its name and its -S settings")
     q = sub.add_parser("queue", help="queue the missing points and run them")
-    add_jobs(q)
+    dvc_points.add_jobs(q)
     r = sub.add_parser("report", help="the table and the figures")
     r.add_argument("--replace", action="store_true", help="write the tables even where they drop points they hold")
     for p in (listing, q, r):
@@ -457,11 +254,11 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"offpolicy: --only: unknown point(s) {unknown}; `python bench/offpolicy.py list` names them")
         pts = {n: pts[n] for n in chosen}
     if args.command == "list":
-        print(point_lines(pts))
+        print(dvc_points.point_lines(pts))
         return 0
     if args.command == "queue":
-        return queue(pts, args.jobs)
-    keep(exps := experiments(), pts)
+        return dvc_points.queue(pts, args.jobs)
+    dvc_points.keep(exps := dvc_points.experiments(), pts)
     return report(exps, pts, seeds, args.replace)
 
 

@@ -4,7 +4,7 @@ model, four new seeds, and the paper's own reading (the win-rate vs KL frontier)
 Seeds 1-2 and 3-4 of bench/offpolicy.py ran under another judge and two reward models (the RM was retrained between
 them), and its second rule was written after seeds 1-2 were seen. Here: PPO, RLOO, online DPO and best-of-2 x N in
 {1, 4, 16} (train.num_mini_batches) x RL seeds 5, 6, 7, 8 (train.seed): og-<algorithm>-n<N>-s<seed>, each a DVC
-experiment queued by bench/offpolicy.py's machinery, every one on the same data, gold judge, SFT policy and reward
+experiment queued by bench/dvc_points.py, every one on the same data, gold judge, SFT policy and reward
 model (`make run`'s; the report refuses points trained on other inputs), with the policies kept at 25, 50, 75 and
 100% of the budget (tiny's train.eval_checkpoints).
 
@@ -44,6 +44,7 @@ import itertools
 import sys
 from dataclasses import dataclass, replace
 
+import dvc_points
 import numpy as np
 import offpolicy
 import pandas as pd
@@ -166,10 +167,10 @@ def win_table(kept: pd.DataFrame, grid: Grid = TINY) -> list[str]:
 
 def report(grid: Grid) -> int:
     pts = grid.points()
-    exps = offpolicy.experiments()
+    exps = dvc_points.experiments()
     if missing := [n for n in pts if n not in exps]:
         sys.exit(f"offpolicy_one_rm: not run yet: {len(missing)} points, e.g. {missing[0]}; `queue` runs them")
-    frame = offpolicy.frontier_rows(exps, pts)
+    frame = dvc_points.frontier_rows(exps, pts)
     kept = frame[frame["fraction"] > 0]
     seeds = ", ".join(map(str, grid.seeds))
     title = f"# The off-policy grid under one reward model, {grid.profile or 'tiny'}, seeds {seeds}"
@@ -182,11 +183,11 @@ def report(grid: Grid) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = offpolicy.point_parser(__doc__)
+    ap = dvc_points.point_parser(__doc__)
     ap.add_argument("--profile", choices=sorted(GRIDS), default="tiny", help="which grid (default tiny)")
     args = ap.parse_args(argv)
     grid = GRIDS[args.profile]
-    return offpolicy.run_points(args.command, grid.points(), args.jobs, lambda: report(grid))
+    return dvc_points.run_points(args.command, grid.points(), args.jobs, lambda: report(grid))
 
 
 if __name__ == "__main__":

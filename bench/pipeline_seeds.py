@@ -1,6 +1,6 @@
 """How much `make run`'s results move with the seed: the whole `tiny` pipeline (data split, gold judge, SFT, reward
 model, online DPO, evaluation) for top-level seeds 1234 (params.yaml's) to 1238, as DVC experiments through the queue
-(bench/offpolicy.py's machinery). Every stage is rebuilt for each seed; seed 1234 is the committed run itself.
+(bench/dvc_points.py). Every stage is rebuilt for each seed; seed 1234 is the committed run itself.
 
 Why: a run on another CPU kind does not repeat the committed results to the last digit (other kernels round
 differently), and over a whole pipeline a rounding difference grows like a change of seed. The README's "healthy run"
@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 from common import cpu_flags, run_main
-from offpolicy import OUT, committed, experiments, point_parser, run_points
+from dvc_points import OUT, committed, experiments, point_parser, run_points
 
 from rlhf.io import write_text
 

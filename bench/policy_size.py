@@ -12,7 +12,7 @@ is the same for every point: the pipeline's own (`data/reward/model` as HEAD's d
 .cache/bench/policy_size/ and passed as `reward.pretrained`, so the small points too use it that way.
 
   python bench/policy_size.py list               every point's name and settings
-  python bench/policy_size.py queue [--jobs J]   queue the missing points (bench/offpolicy.py's machinery), wait
+  python bench/policy_size.py queue [--jobs J]   queue the missing points (bench/dvc_points.py), wait
   python bench/policy_size.py report             bench/metrics/policy_size.{csv,md}
   --large-sft-lr LR                              the large size's SFT at learning rate LR (points ps-large-lrLR-*,
                                                  tables policy_size-lrLR.*); default: `tiny`'s, 3e-3
@@ -49,6 +49,7 @@ import shutil
 import subprocess
 import sys
 
+import dvc_points
 import offpolicy
 import pandas as pd
 from common import positive_float, run_main  # bench/ is sys.path[0]
@@ -59,7 +60,7 @@ SIZES = {"small": [], "large": ["model.hidden_size=256", "model.intermediate_siz
 MINI_BATCHES = (1, 16)
 SEEDS = (3, 4, 5)
 RULE_AT = (0.25, 0.5)
-HELD = offpolicy.ROOT / ".cache" / "bench" / "policy_size"  # the held reward model and where it came from
+HELD = dvc_points.ROOT / ".cache" / "bench" / "policy_size"  # the held reward model and where it came from
 STEM = "policy_size"
 
 
@@ -106,14 +107,14 @@ def hold_reward_model() -> None:
     """Copy the pipeline's reward model to HELD once (it must be what HEAD's dvc.lock records), with its origin."""
     if (HELD / "source.json").is_file():
         return
-    if offpolicy.stale(["reward"]):
+    if dvc_points.stale(["reward"]):
         sys.exit("policy_size: data/reward is not what dvc.lock records; run `dvc repro reward` (or `make run`) first")
-    model = offpolicy.ROOT / "data" / "reward" / "model"
+    model = dvc_points.ROOT / "data" / "reward" / "model"
     shutil.rmtree(HELD / "reward_model", ignore_errors=True)
     shutil.copytree(model, HELD / "reward_model")
     digest = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
     head = ["git", "rev-parse", "--short", "HEAD"]
-    commit = subprocess.run(head, cwd=offpolicy.ROOT, text=True, capture_output=True, check=True).stdout.strip()
+    commit = subprocess.run(head, cwd=dvc_points.ROOT, text=True, capture_output=True, check=True).stdout.strip()
     (HELD / "source.json").write_text(json.dumps({"commit": commit, "model.safetensors sha256": digest}) + "\n")
 
 
@@ -123,7 +124,7 @@ def kept_policies(exps: dict[str, str], pts: dict[str, list[str]], stem: str, si
     yet ends the script, naming it."""
     if missing := [n for n in pts if n not in exps]:
         sys.exit(f"{stem}: not run yet: {missing}; the bench's `queue` runs them")
-    rows = offpolicy.frontier_rows(exps, pts, {stage: size_of for stage in varied})
+    rows = dvc_points.frontier_rows(exps, pts, {stage: size_of for stage in varied})
     rows = rows.assign(algorithm=rows["point"].map(size_of))
     return rows[rows["fraction"] > 0]
 
@@ -150,8 +151,8 @@ def stage_metrics(exps: dict[str, str], pts: dict[str, list[str]]) -> list[str]:
     loss = {}
     for size in SIZES:
         rev = exps[next(n for n in pts if n.startswith(f"ps-{size}-"))]
-        sft = json.loads(offpolicy.committed(rev, "data/metrics/sft.json"))
-        rm = json.loads(offpolicy.committed(rev, "data/metrics/reward.json"))
+        sft = json.loads(dvc_points.committed(rev, "data/metrics/sft.json"))
+        rm = json.loads(dvc_points.committed(rev, "data/metrics/reward.json"))
         loss[size] = sft["heldout_loss"]
         lines.append(f"| {size} | {sft['n_params']:,} | {loss[size]:.3f} | {rm['agreement_heldout']:.3f} |")
     better = (
@@ -203,7 +204,7 @@ def verdict(kept: pd.DataFrame) -> list[str]:
 
 
 def report(pts: dict[str, list[str]], sft_lr: str | None = None, rl_lr: str | None = None) -> int:
-    exps = offpolicy.experiments()  # `dvc exp show` over every commit: seconds, read once
+    exps = dvc_points.experiments()  # `dvc exp show` over every commit: seconds, read once
     # the SFT policy is the size; the reward stage measures the held RM on that policy's pairs
     kept = kept_policies(exps, pts, STEM, lambda name: name.split("-")[1], varied=("sft", "reward"))
     source = json.loads((HELD / "source.json").read_text())
@@ -227,7 +228,7 @@ def learning_rate(text: str) -> str:
 
 def parser(doc: str) -> argparse.ArgumentParser:
     """bench/offpolicy.py's point parser and `--large-sft-lr` (this bench's and bench/rm_size.py's)."""
-    ap = offpolicy.point_parser(doc)
+    ap = dvc_points.point_parser(doc)
     ap.add_argument("--large-sft-lr", type=learning_rate, help="the large SFT's learning rate (default: the profile's)")
     return ap
 
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "queue":
         hold_reward_model()
     pts = points(sft_lr=sft_lr, rl_lr=rl_lr)
-    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts, sft_lr, rl_lr))
+    return dvc_points.run_points(args.command, pts, args.jobs, lambda: report(pts, sft_lr, rl_lr))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 The paper, for generation-bound RLHF (sampling the bottleneck, the trainer idle): train more on each generated batch.
 Several updates per batch ("PPO epochs", `train.num_ppo_epochs`) make learning more data-efficient, but move the
 win-rate vs KL frontier: the same win-rate at a higher KL. Each point is a DVC experiment queued by
-bench/offpolicy.py's machinery; E = 1 is the off-policy grid's N = 1 point (op-online_dpo-n1-s<seed>, also
+bench/dvc_points.py; E = 1 is the off-policy grid's N = 1 point (op-online_dpo-n1-s<seed>, also
 bench/k_samples.py's K = 2 point), so one already run is not run again. Everything else is the `tiny` default: 1,024
 prompts in 64 generated batches, the same data, SFT policy and reward model; E = 2 and 4 take 128 and 256 updates.
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import sys
 
+import dvc_points
 import numpy as np
 import offpolicy
 import pandas as pd
@@ -114,7 +115,7 @@ def same_final_policies(early: dict[str, list[str]]) -> list[str]:
     """`--early`'s E = 1 final policies against the first run's, seed by seed: the same win-rate and KL, or not."""
     first = {name(1, seed) for seed in SEEDS}  # the first run's E = 1: the grid's points, no epochs setting
     ones = {n: v for pts in (points(), early) for n, v in pts.items() if n in first or "train.num_ppo_epochs=1" in v}
-    rows = offpolicy.frontier_rows(offpolicy.experiments(), ones)
+    rows = dvc_points.frontier_rows(dvc_points.experiments(), ones)
     final = rows[rows["fraction"] == 1.0].groupby("seed")
     same = bool((final.size() == 2).all() and (final[["win_rate_vs_sft", "kl"]].nunique() == 1).all(axis=None))
     return [
@@ -132,11 +133,11 @@ def report(pts: dict[str, list[str]], early: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = offpolicy.point_parser(__doc__)
+    ap = dvc_points.point_parser(__doc__)
     ap.add_argument("--early", action="store_true", help="the second run: policies kept from 1/16 of the episodes")
     args = ap.parse_args(argv)
     pts = points(early=args.early)
-    return offpolicy.run_points(args.command, pts, args.jobs, lambda: report(pts, args.early))
+    return dvc_points.run_points(args.command, pts, args.jobs, lambda: report(pts, args.early))
 
 
 if __name__ == "__main__":

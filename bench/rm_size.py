@@ -45,7 +45,7 @@ import shutil
 import sys
 from pathlib import Path
 
-import offpolicy
+import dvc_points
 import pandas as pd
 import policy_size
 from common import run_main  # bench/ is sys.path[0]
@@ -90,11 +90,11 @@ def hold_large_reward_model(exps: dict[str, str], sft_lr: str | None = None) -> 
     rev = exps[name]
     shutil.rmtree(held, ignore_errors=True)
     held.parent.mkdir(parents=True, exist_ok=True)
-    offpolicy.dvc("get", ".", "data/reward/model", "--rev", rev, "-o", str(held))
+    dvc_points.dvc("get", ".", "data/reward/model", "--rev", rev, "-o", str(held))
     digest = hashlib.sha256((held / "model.safetensors").read_bytes()).hexdigest()
     source = {"experiment": name, "rev": rev, "model.safetensors sha256": digest}
     for stage in ("sft", "reward"):
-        source[stage] = json.loads(offpolicy.committed(rev, f"data/metrics/{stage}.json"))
+        source[stage] = json.loads(dvc_points.committed(rev, f"data/metrics/{stage}.json"))
     (held / "source.json").write_text(json.dumps(source, indent=1) + "\n")
 
 
@@ -103,10 +103,10 @@ def queue(jobs: int, sft_lr: str | None = None) -> int:
     policy_size.hold_reward_model()
     small = {n: s for n, s in points().items() if n.startswith("ps-small-")}
     name = build(sft_lr)[0]
-    if rc := offpolicy.queue({name: build_settings(sft_lr), **small}, jobs, targets={name: "reward"}):
+    if rc := dvc_points.queue({name: build_settings(sft_lr), **small}, jobs, targets={name: "reward"}):
         return rc
-    hold_large_reward_model(offpolicy.experiments(), sft_lr)
-    return offpolicy.queue(points(sft_lr=sft_lr), jobs)
+    hold_large_reward_model(dvc_points.experiments(), sft_lr)
+    return dvc_points.queue(points(sft_lr=sft_lr), jobs)
 
 
 def reward_model_size(name: str) -> str:
@@ -120,12 +120,12 @@ def reward_models(exps: dict[str, str], pts: dict[str, list[str]], sft_lr: str |
     whether the larger reward model is also the better one on those same pairs."""
     source = json.loads((build(sft_lr)[1] / "source.json").read_text())
     agreement = {}
-    small_sft = json.loads(offpolicy.committed(exps[next(iter(pts))], "data/metrics/sft.json"))
+    small_sft = json.loads(dvc_points.committed(exps[next(iter(pts))], "data/metrics/sft.json"))
     lines = ["| reward model | its SFT policy's parameters | agreement with gold: its own pairs | the small SFT's |"]
     lines.append("|---|---|---|---|")
     for size, prefix, sft in (("small", "ps-small-", small_sft), ("large", "rs-large-", source["sft"])):
         on_small = [
-            json.loads(offpolicy.committed(exps[n], "data/metrics/reward.json"))["agreement_heldout"]
+            json.loads(dvc_points.committed(exps[n], "data/metrics/reward.json"))["agreement_heldout"]
             for n in pts
             if n.startswith(prefix)
         ]
@@ -172,7 +172,7 @@ def verdict(kept: pd.DataFrame) -> list[str]:
 
 
 def report(pts: dict[str, list[str]], sft_lr: str | None = None) -> int:
-    exps = offpolicy.experiments()  # `dvc exp show` over every commit: seconds, read once
+    exps = dvc_points.experiments()  # `dvc exp show` over every commit: seconds, read once
     kept = policy_size.kept_policies(exps, pts, STEM, reward_model_size, varied=("reward",))  # one SFT policy for all
     head = [
         f"# Reward-model size and off-policy robustness (the paper's Fig. 5), `tiny`, online DPO, the small policy, "
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     sft_lr = args.large_sft_lr
     pts = points(sft_lr=sft_lr)
     if args.command == "list":
-        print(offpolicy.point_lines({build(sft_lr)[0]: build_settings(sft_lr), **pts}))
+        print(dvc_points.point_lines({build(sft_lr)[0]: build_settings(sft_lr), **pts}))
         return 0
     return queue(args.jobs, sft_lr) if args.command == "queue" else report(pts, sft_lr)
 

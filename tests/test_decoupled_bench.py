@@ -16,6 +16,7 @@ from conftest import PARAMS
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import decoupled  # noqa: E402
+import dvc_points  # noqa: E402
 import offpolicy  # noqa: E402
 
 
@@ -121,9 +122,9 @@ def test_the_report_writes_the_table_the_verdicts_and_the_diagnostics(monkeypatc
             rows.append(dict(point=name, algorithm=algorithm, seed=s, fraction=f, episode=int(1024 * f),
                              win_rate_vs_sft=w, kl=4.0 * f))  # fmt: skip
     train_csv = "async/staleness,policy/behav_masked,policy/behav_kl\n4,0.01,0.002\n3,0.03,0.004\n"  # two batches
-    monkeypatch.setattr(offpolicy, "experiments", lambda: {n: "rev" for n in pts})
-    monkeypatch.setattr(offpolicy, "frontier_rows", lambda exps, p: pd.DataFrame(rows))
-    monkeypatch.setattr(offpolicy, "committed", lambda rev, path: train_csv)
+    monkeypatch.setattr(dvc_points, "experiments", lambda: {n: "rev" for n in pts})
+    monkeypatch.setattr(dvc_points, "frontier_rows", lambda exps, p: pd.DataFrame(rows))
+    monkeypatch.setattr(dvc_points, "committed", lambda rev, path: train_csv)
     monkeypatch.setattr(offpolicy, "OUT", tmp_path)
     assert decoupled.report(pts) == 0
     text = (tmp_path / "decoupled.md").read_text()
@@ -138,6 +139,6 @@ def test_the_report_writes_the_table_the_verdicts_and_the_diagnostics(monkeypatc
 
 
 def test_the_report_refuses_before_every_point_ran(monkeypatch):
-    monkeypatch.setattr(offpolicy, "experiments", lambda: {"dc-rloo-naive-s1": "rev"})
+    monkeypatch.setattr(dvc_points, "experiments", lambda: {"dc-rloo-naive-s1": "rev"})
     with pytest.raises(SystemExit, match=r"decoupled: not run yet: \['dc-rloo-naive-s2'"):
         decoupled.report(decoupled.points())

@@ -15,6 +15,7 @@ from conftest import PARAMS, isolated_env, make_dvc_repo, run_ok
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+import dvc_points  # noqa: E402
 import offpolicy  # noqa: E402
 
 
@@ -123,15 +124,15 @@ def test_points_trained_on_other_inputs_are_refused_naming_two_of_them(monkeypat
         "ps-large-1": {"prepare": "p.dir", "sft": "large.dir", "reward": "rm-large.dir"},
         "rs-late-1": {"prepare": "p.dir", "sft": "small-rebuilt.dir", "reward": "rm-small.dir"},
     }
-    monkeypatch.setattr(offpolicy, "input_hashes", lambda rev: hashes[rev])
+    monkeypatch.setattr(dvc_points, "input_hashes", lambda rev: hashes[rev])
     exps = {name: name for name in hashes}  # name -> revision (input_hashes reads it)
     size = {"sft": lambda n: n.split("-")[1], "reward": lambda n: n.split("-")[1]}
-    offpolicy.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "ps-small-2", "ps-large-1")}, size)
+    dvc_points.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "ps-small-2", "ps-large-1")}, size)
     with pytest.raises(SystemExit, match=r"points ps-small-1 and ps-large-1 trained on other `sft` outputs"):
-        offpolicy.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "ps-large-1")})  # nothing varied
+        dvc_points.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "ps-large-1")})  # nothing varied
     with pytest.raises(SystemExit, match=r"ps-small-1 and rs-late-1 trained on other `sft` outputs \(small\.d"):
-        offpolicy.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "rs-late-1")}, {"reward": size["reward"]})
-    offpolicy.check_same_inputs(exps, {"ps-small-1": [], "not-run-yet": []})  # a point not run yet is not read
+        dvc_points.check_same_inputs(exps, {n: [] for n in ("ps-small-1", "rs-late-1")}, {"reward": size["reward"]})
+    dvc_points.check_same_inputs(exps, {"ps-small-1": [], "not-run-yet": []})  # a point not run yet is not read
 
 
 def test_no_point_is_queued_from_a_stale_dvc_lock_once_points_have_run(monkeypatch):
@@ -143,17 +144,17 @@ def test_no_point_is_queued_from_a_stale_dvc_lock_once_points_have_run(monkeypat
         calls.append(args)
         return json.dumps({"sft": [{"changed deps": {"rlhf/runtime.py": "modified"}}], "train": []})
 
-    monkeypatch.setattr(offpolicy, "dvc", dvc)
-    monkeypatch.setattr(offpolicy, "experiments", lambda: {"op-a": "rev"})
-    monkeypatch.setattr(offpolicy, "keep", lambda exps, pts: None)  # "rev" is no commit to copy from
-    monkeypatch.setattr(offpolicy, "queued", set)
+    monkeypatch.setattr(dvc_points, "dvc", dvc)
+    monkeypatch.setattr(dvc_points, "experiments", lambda: {"op-a": "rev"})
+    monkeypatch.setattr(dvc_points, "keep", lambda exps, pts: None)  # "rev" is no commit to copy from
+    monkeypatch.setattr(dvc_points, "queued", set)
     with pytest.raises(SystemExit, match=r"offpolicy: sft: not what dvc.lock records .* unlike the 1 already run"):
-        offpolicy.queue({"op-a": [], "op-b": ["train.seed=2"]}, jobs=1)
+        dvc_points.queue({"op-a": [], "op-b": ["train.seed=2"]}, jobs=1)
     assert calls == [("status", "--json")]  # nothing queued
     # points that build every stage themselves (bench/pipeline_seeds.py: a seed each) share none: queued
-    monkeypatch.setattr(offpolicy, "start_workers", lambda jobs: None)
+    monkeypatch.setattr(dvc_points, "start_workers", lambda jobs: None)
     calls.clear()
-    assert offpolicy.queue({"op-a": [], "op-b": ["seed=2"]}, jobs=1, shared=()) == 1  # op-b: not run here
+    assert dvc_points.queue({"op-a": [], "op-b": ["seed=2"]}, jobs=1, shared=()) == 1  # op-b: not run here
     assert calls[0][:3] == ("exp", "run", "--queue") and ("status", "--json") not in calls
 
 
@@ -171,14 +172,14 @@ def test_waiting_points_get_workers_again_when_fewer_run_than_asked_for(monkeypa
     again (`dvc queue start --jobs J` tops them up to J)."""
     polls = iter([waiting] * 5 + [set()])
     started = []
-    monkeypatch.setattr(offpolicy, "experiments", lambda: dict.fromkeys(waiting, "rev") if started else {})
-    monkeypatch.setattr(offpolicy, "queued", lambda: next(polls) if started else set())
-    monkeypatch.setattr(offpolicy, "dvc", lambda *args: "")  # `dvc exp run --queue`: queued
-    monkeypatch.setattr(offpolicy, "queue_workers", lambda: workers)
-    monkeypatch.setattr(offpolicy, "keep", lambda exps, pts: None)  # "rev" is no commit to copy from
-    monkeypatch.setattr(offpolicy, "start_workers", started.append)
-    monkeypatch.setattr(offpolicy.time, "sleep", lambda seconds: None)
-    assert offpolicy.queue(dict.fromkeys(waiting, []), jobs=2) == 0
+    monkeypatch.setattr(dvc_points, "experiments", lambda: dict.fromkeys(waiting, "rev") if started else {})
+    monkeypatch.setattr(dvc_points, "queued", lambda: next(polls) if started else set())
+    monkeypatch.setattr(dvc_points, "dvc", lambda *args: "")  # `dvc exp run --queue`: queued
+    monkeypatch.setattr(dvc_points, "queue_workers", lambda: workers)
+    monkeypatch.setattr(dvc_points, "keep", lambda exps, pts: None)  # "rev" is no commit to copy from
+    monkeypatch.setattr(dvc_points, "start_workers", started.append)
+    monkeypatch.setattr(dvc_points.time, "sleep", lambda seconds: None)
+    assert dvc_points.queue(dict.fromkeys(waiting, []), jobs=2) == 0
     assert started == [2] * (1 + restarts)  # at the start, then after polls 2 and 4 short of workers
 
 
@@ -189,7 +190,7 @@ def test_a_report_keeps_the_points_its_committed_tables_hold_unless_told(monkeyp
     held = _final({("ppo", 1, 1): 0.7, ("ppo", 16, 1): 0.6})
     held.to_csv(tmp_path / "offpolicy.csv", index=False)
     ran_here = held[held["point"] == "ppo-1-1"]
-    monkeypatch.setattr(offpolicy, "frontier_rows", lambda exps, pts: ran_here)
+    monkeypatch.setattr(dvc_points, "frontier_rows", lambda exps, pts: ran_here)
     with pytest.raises(SystemExit, match=r"holds 1 point\(s\) not among .* \(e\.g\. ppo-16-1\).*report --replace"):
         offpolicy.report({}, {})
     assert len(pd.read_csv(tmp_path / "offpolicy.csv")) == 2 and not (tmp_path / "offpolicy.md").exists()

@@ -13,6 +13,7 @@ from conftest import PARAMS
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+import dvc_points  # noqa: E402
 import offpolicy  # noqa: E402
 import ppo_epochs  # noqa: E402
 
@@ -81,8 +82,8 @@ def test_the_report_writes_the_table_and_both_verdicts_per_e(monkeypatch, tmp_pa
         for f, w, k in zip((0.0, 0.25, 0.5, 0.75, 1.0), [0.5, *E1["win"]], [0.0, *E1["kl"]]):
             row = dict(point=name, seed=int(name[-1]), fraction=f, episode=int(1024 * f), win_rate_vs_sft=w)
             rows.append({**row, "kl": k * epochs})
-    monkeypatch.setattr(offpolicy, "experiments", lambda: {n: "rev" for n in pts})
-    monkeypatch.setattr(offpolicy, "frontier_rows", lambda exps, p: pd.DataFrame(rows))
+    monkeypatch.setattr(dvc_points, "experiments", lambda: {n: "rev" for n in pts})
+    monkeypatch.setattr(dvc_points, "frontier_rows", lambda exps, p: pd.DataFrame(rows))
     monkeypatch.setattr(offpolicy, "OUT", tmp_path)
     assert ppo_epochs.report(pts, early=False) == 0
     text = (tmp_path / "ppo_epochs.md").read_text()
@@ -111,8 +112,8 @@ def test_the_early_run_checks_its_e1_final_policies_against_the_first_runs(monke
     early = ppo_epochs.points((3,), early=True)
     names = ["op-online_dpo-n1-s3", "pe-early-online_dpo-e1-s3"]
     rows = [dict(point=n, seed=3, fraction=1.0, win_rate_vs_sft=0.76, kl=kl) for n, kl in zip(names, (9.43, kl_early))]
-    monkeypatch.setattr(offpolicy, "experiments", lambda: {})
+    monkeypatch.setattr(dvc_points, "experiments", lambda: {})
     monkeypatch.setattr(
-        offpolicy, "frontier_rows", lambda exps, pts: pd.DataFrame(rows)[lambda f: f["point"].isin(pts)]
+        dvc_points, "frontier_rows", lambda exps, pts: pd.DataFrame(rows)[lambda f: f["point"].isin(pts)]
     )
     assert ppo_epochs.same_final_policies(early)[0].endswith(f"seed by seed: {expected}")
