@@ -25,7 +25,9 @@ on the 512 eval prompts, KL = KL(policy || SFT), means over the four seeds unles
   algorithm's retention over the seeds).
 Every win-rate is reported with the seeds' spread and a 95% interval over eval prompts (binomial: 1.96 x sqrt(p (1 -
 p) / n) for n = 512 prompts a seed, of the seeds' mean: / sqrt(4)); the interval is read beside the rules, it does
-not change them.
+not change them. Added 2026-12-03, while the `tiny` points ran and before any result was read: bootstrap intervals
+over the eval prompts (RESAMPLES resamples, the same for every point) of the seeds' mean win-rates, R1's losses and
+R2's margins, from each point's per-prompt outcomes (bench/archive.py's WINS); beside the rules, like the binomial.
 
 The SmolLM2 half (`--profile smollm2`; fixed 2026-12-03, after the profile's default run was seen to learn under the
 fifth rule of docs/benchmarks.md, "SmolLM2 learns again", and before any of these points ran): the same four
@@ -40,10 +42,12 @@ the inputs. ~16 points of ~12 min and ~20 min of inputs: about 3.5 h here.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from dataclasses import dataclass, replace
 
+import archive
 import dvc_points
 import numpy as np
 import offpolicy
@@ -53,6 +57,7 @@ from common import run_main  # bench/ is sys.path[0]
 from rlhf.io import write_text
 
 MARGIN = 0.03
+RESAMPLES = 1000  # bootstrap resamples of the eval prompts
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,45 @@ def loss_at_equal_kl(kept: pd.DataFrame, algorithm: str, n: int) -> float | None
     return float(np.mean(gaps)) if len(gaps) >= 2 else None
 
 
-def rule_one(kept: pd.DataFrame, grid: Grid = TINY) -> list[str]:
+def prompt_outcomes(kept: pd.DataFrame, exps: dict[str, str]) -> np.ndarray | None:
+    """(rows of `kept`, eval prompts): each kept policy's gold outcome against SFT's per prompt (1, 0.5, 0), from
+    the points' evaluate outputs (bench/archive.py's WINS); None when a point's are not held here, or they do not
+    average to the win-rates `kept` has (the prompts must be the same for every point)."""
+    frames = {p: archive.wins_of(dvc_points.ROOT, dvc_points.KEPT, exps[p]) for p in dict.fromkeys(kept["point"])}
+    if any(f is None for f in frames.values()) or len({tuple(f.index) for f in frames.values()}) != 1:
+        return None
+    rows = kept.itertuples()
+    outcomes = np.stack([frames[r.point]["policy" if r.fraction == 1.0 else f"policy@{r.episode}"] for r in rows])
+    return outcomes if np.allclose(outcomes.mean(1), kept["win_rate_vs_sft"], atol=1e-12) else None
+
+
+def resampled_win_rates(outcomes: np.ndarray, resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
+    """(resamples, rows): every row's win-rate over the same bootstrap resample of the prompts (with replacement),
+    resample by resample. outcomes: (rows, prompts), as prompt_outcomes gives them."""
+    n = outcomes.shape[1]
+    rng = np.random.default_rng(seed)
+    counts = np.stack([np.bincount(rng.integers(0, n, n), minlength=n) for _ in range(resamples)])
+    return counts @ outcomes.T / n
+
+
+def interval(kept: pd.DataFrame, draws: np.ndarray | None, stat) -> str:
+    """`stat(kept)`'s 95% bootstrap interval over the eval prompts, as text: stat of `kept` with each resample's
+    win-rates (draws: resampled_win_rates, or None: "n/a"); "n/a" too where stat is undefined on most resamples."""
+    if draws is None:
+        return "n/a"
+    values = [v for d in draws if (v := stat(kept.assign(win_rate_vs_sft=d))) is not None and np.isfinite(v)]
+    if len(values) < 0.9 * len(draws):
+        return "n/a"
+    low, high = np.percentile(values, [2.5, 97.5])
+    return f"[{low:+.3f}, {high:+.3f}]"
+
+
+def _loss_interval(kept: pd.DataFrame, draws: np.ndarray | None, algorithm: str, n: int) -> str:
+    """R1's loss cell's bootstrap interval, after a space; nothing without draws (the rule's own table)."""
+    return "" if draws is None else " " + interval(kept, draws, lambda k: loss_at_equal_kl(k, algorithm, n))
+
+
+def rule_one(kept: pd.DataFrame, grid: Grid = TINY, draws: np.ndarray | None = None) -> list[str]:
     """R1's table and verdict: every N > 1 of the grid, read at N = 16."""
     algorithms = list(dict.fromkeys(kept["algorithm"]))
     ns = grid.mini_batches[1:]
@@ -119,7 +162,9 @@ def rule_one(kept: pd.DataFrame, grid: Grid = TINY) -> list[str]:
     for a in algorithms:
         losses = [loss_at_equal_kl(kept, a, n) for n in ns]
         at16[a] = losses[-1]
-        cells = " | ".join("not testable" if x is None else f"{x:+.3f}" for x in losses)
+        cells = " | ".join(
+            "not testable" if x is None else f"{x:+.3f}" + _loss_interval(kept, draws, a, n) for n, x in zip(ns, losses)
+        )
         lines.append(f"| {a} | {cells} | {'-' if losses[-1] is None else losses[-1] <= MARGIN} |")
     tested = {a: x for a, x in at16.items() if x is not None}
     if "online_dpo" not in tested or len(tested) < 2:
@@ -134,35 +179,68 @@ def rule_one(kept: pd.DataFrame, grid: Grid = TINY) -> list[str]:
     ]
 
 
-def rule_two(kept: pd.DataFrame, grid: Grid = TINY) -> list[str]:
+def retention_margin(kept: pd.DataFrame, best: str, runner_up: str) -> float | None:
+    """R2's margin of `best` over `runner_up` (mean retention over seeds) in `kept` (one kept policy's rows)."""
+    mean, _ = offpolicy.retained(offpolicy.retention(kept.assign(S=0)).dropna())
+    return float(mean[best] - mean[runner_up]) if {best, runner_up} <= set(mean.index) else None
+
+
+def rule_two(kept: pd.DataFrame, grid: Grid = TINY, draws: np.ndarray | None = None) -> list[str]:
     """R2's table and verdict: retention at the grid's kept policies, its lead and the seeds' spread."""
-    lines = ["| kept policy | most retained | its mean | next | margin | seeds' spread |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| kept policy | most retained | its mean | next | margin | its 95% bootstrap | seeds' spread |",
+        "|---|---|---|---|---|---|---|",
+    ]
     held = []
     for fraction in grid.kept:
-        at = kept[kept["fraction"] == fraction].assign(S=0)
+        at_fraction = (kept["fraction"] == fraction).to_numpy()
+        at = kept[at_fraction].assign(S=0)
         mean, spread = offpolicy.retained(offpolicy.retention(at).dropna())
         if len(mean) < 2:
             return [*lines, "", f"R2: not testable (retention at {fraction:.0%} for fewer than two algorithms)."]
         best, runner_up, margin = offpolicy.lead(mean)
         held.append(best == "online_dpo" and margin > spread)
-        lines.append(f"| {fraction:.0%} | {best} | {mean[best]:.2f} | {runner_up} | {margin:.2f} | {spread:.2f} |")
+        span = interval(
+            at,
+            None if draws is None else draws[:, at_fraction],
+            functools.partial(retention_margin, best=best, runner_up=runner_up),
+        )
+        lines.append(
+            f"| {fraction:.0%} | {best} | {mean[best]:.2f} | {runner_up} | {margin:.2f} | {span} | {spread:.2f} |"
+        )
     verdict = "holds" if all(held) else "does not hold"
     at = ", ".join(f"{f:.0%}" for f in grid.kept[:-1]) + f" and {grid.kept[-1]:.0%}"
     return [*lines, "", f"R2: the paper's claim {verdict} by R2 (online DPO the most retained at {at})."]
 
 
-def win_table(kept: pd.DataFrame, grid: Grid = TINY) -> list[str]:
-    """Every algorithm, N and kept policy: mean win-rate, the seeds' half-range, the interval over prompts, KL."""
+def win_table(kept: pd.DataFrame, grid: Grid = TINY, draws: np.ndarray | None = None) -> list[str]:
+    """Every algorithm, N and kept policy: mean win-rate, the seeds' half-range, the binomial interval over prompts
+    (the rule's), the bootstrap one (draws: resampled_win_rates over kept's rows; None: n/a), KL."""
     lines = [
-        "| algorithm | N | kept | win-rate | seeds' half-range | 95% over prompts | KL |",
-        "|---|---|---|---|---|---|---|",
+        "| algorithm | N | kept | win-rate | seeds' half-range | 95% over prompts | 95% bootstrap | KL |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for (a, n, f), g in kept.groupby(["algorithm", "N", "fraction"], sort=False):
+    rows = kept.reset_index(drop=True)
+    for (a, n, f), g in rows.groupby(["algorithm", "N", "fraction"], sort=False):
         p, seeds = g["win_rate_vs_sft"].mean(), g["win_rate_vs_sft"]
-        interval = 1.96 * np.sqrt(p * (1 - p) / grid.eval_prompts) / np.sqrt(len(g))
+        binomial = 1.96 * np.sqrt(p * (1 - p) / grid.eval_prompts) / np.sqrt(len(g))
         half = (seeds.max() - seeds.min()) / 2
-        lines.append(f"| {a} | {n} | {f:.0%} | {p:.3f} | {half:.3f} | +-{interval:.3f} | {g['kl'].mean():.2f} |")
+        span = "n/a"
+        if draws is not None:
+            low, high = np.percentile(draws[:, g.index].mean(1), [2.5, 97.5])
+            span = f"[{low:.3f}, {high:.3f}]"
+        lines.append(
+            f"| {a} | {n} | {f:.0%} | {p:.3f} | {half:.3f} | +-{binomial:.3f} | {span} | {g['kl'].mean():.2f} |"
+        )
     return lines
+
+
+BOOTSTRAP_NOTE = (
+    "Bootstrap intervals: 95% percentile intervals over {n} resamples of the eval prompts (the same resample for "
+    "every point), of the seeds' mean win-rate, of R1's loss and of R2's margin; added after the rules were fixed "
+    "and before any result was read: they are read beside the rules and change none."
+)
+NO_OUTCOMES = "a point's per-prompt outcomes are not held here: neither kept nor in the DVC cache"
 
 
 def report(grid: Grid) -> int:
@@ -171,10 +249,14 @@ def report(grid: Grid) -> int:
     if missing := [n for n in pts if n not in exps]:
         sys.exit(f"offpolicy_one_rm: not run yet: {len(missing)} points, e.g. {missing[0]}; `queue` runs them")
     frame = dvc_points.frontier_rows(exps, pts)
-    kept = frame[frame["fraction"] > 0]
+    kept = frame[frame["fraction"] > 0].reset_index(drop=True)
+    outcomes = prompt_outcomes(kept, exps)
+    draws = None if outcomes is None else resampled_win_rates(outcomes)
     seeds = ", ".join(map(str, grid.seeds))
     title = f"# The off-policy grid under one reward model, {grid.profile or 'tiny'}, seeds {seeds}"
-    text = "\n".join([title, "", *win_table(kept, grid), "", *rule_one(kept, grid), "", *rule_two(kept, grid)]) + "\n"
+    note = BOOTSTRAP_NOTE.format(n=RESAMPLES) if draws is not None else "Bootstrap intervals: n/a (" + NO_OUTCOMES + ")"
+    tables = [*win_table(kept, grid, draws), "", *rule_one(kept, grid, draws), "", *rule_two(kept, grid, draws)]
+    text = "\n".join([title, "", note, "", *tables]) + "\n"
     stem = "offpolicy_one_rm" if grid is TINY else f"offpolicy_one_rm_{grid.profile}"
     write_text(offpolicy.OUT / f"{stem}.csv", frame.to_csv(index=False))
     write_text(offpolicy.OUT / f"{stem}.md", text)

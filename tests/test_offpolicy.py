@@ -103,6 +103,9 @@ def test_points_run_through_the_dvc_queue_once_and_reach_the_tables(tmp_path, dv
     # the finished point is kept in bench/metrics/points/: with its experiment gone (a new clone), it is still done
     kept_lock = repo / "bench" / "metrics" / "points" / "op-online_dpo-n4-s1" / "dvc.lock"
     assert "md5:" in kept_lock.read_text()
+    wins = pd.read_csv(kept_lock.with_name("prompt_wins.csv"), index_col="prompt_id")  # from the DVC cache
+    final = pd.read_csv(kept_lock.parent / "data" / "plots" / "frontier.csv").iloc[-1]
+    assert wins["policy"].isin([0, 0.5, 1]).all() and wins["policy"].mean() == final["win_rate_vs_sft"]
     run_ok(["dvc", "exp", "remove", "op-online_dpo-n4-s1"], repo, env)
     assert "1 points, 1 done, 0 to queue" in run_ok([*script, "queue", *only], repo, env)
     report = run_ok([*script, "report", "--replace", *only], repo, env)

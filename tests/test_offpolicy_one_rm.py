@@ -104,3 +104,30 @@ def test_the_smollm2_rules_read_its_n_values_and_kept_policies():
     two = grid.rule_two(kept, grid.SMOLLM2)
     assert two[-1].endswith("holds by R2 (online DPO the most retained at 50% and 100%).") and len(two) == 2 + 2 + 2
     assert any("+-0.061 |" in line for line in grid.win_table(kept, grid.SMOLLM2))  # 1.96 sqrt(.25 / 128) / sqrt(2)
+
+
+def test_bootstrap_intervals_resample_the_prompts_alike_for_every_point_and_need_every_points_outcomes(monkeypatch):
+    """Intervals over eval prompts from each point's per-prompt outcomes (bench/archive.py's WINS): one resample of
+    the prompts shared by every row, so two points with the same outcomes move together; no intervals when a point's
+    outcomes are missing or do not give its win-rate (another eval set)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    wins = {p: pd.DataFrame({"policy@2": rng.integers(0, 3, 64) / 2, "policy": rng.integers(0, 3, 64) / 2})
+            for p in ("a", "b")}  # fmt: skip
+    wins["c"] = wins["a"].copy()
+    rows = [dict(point=p, algorithm=p, N=1, seed=5, fraction=f, episode=e, kl=f, win_rate_vs_sft=wins[p][m].mean())
+            for p in wins for f, e, m in ((0.5, 2, "policy@2"), (1.0, 4, "policy"))]  # fmt: skip
+    kept = pd.DataFrame(rows)
+    monkeypatch.setattr(grid.archive, "wins_of", lambda root, folder, rev: wins.get(rev))
+    outcomes = grid.prompt_outcomes(kept, {p: p for p in wins})
+    assert outcomes.shape == (6, 64)
+    draws = grid.resampled_win_rates(outcomes, resamples=400)
+    assert draws.shape == (400, 6) and (draws[:, 0] == draws[:, 4]).all()  # a and c: the same outcomes, resample
+    assert abs(draws.mean(0) - kept["win_rate_vs_sft"]).max() < 0.02
+    line = next(x for x in grid.win_table(kept, grid.TINY, draws) if x.startswith("| a | 1 | 50% |"))
+    low, high = (float(v) for v in line.split("| [")[1].split("]")[0].split(", "))
+    assert low < kept.loc[0, "win_rate_vs_sft"] < high and 0.1 < high - low < 0.4  # ~ +-1.96 x 0.5 / 8
+    assert grid.prompt_outcomes(kept, {"a": "a", "b": "missing", "c": "c"}) is None
+    wins["b"] = wins["b"].assign(policy=0.5)  # not the win-rate the point logged
+    assert grid.prompt_outcomes(kept, {p: p for p in wins}) is None

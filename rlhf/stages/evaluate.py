@@ -42,8 +42,13 @@ from rlhf.tracking import log_results
 _WORD = re.compile(r"\w+(?:'\w+)?")
 
 
+def wins(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per prompt, a's outcome against b by the gold: 1 a win, 0.5 a tie, 0 a loss. Shapes: (n,), (n,) -> (n,)."""
+    return (a > b) + 0.5 * (a == b)
+
+
 def win_rate(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.mean((a > b) + 0.5 * (a == b)))
+    return float(np.mean(wins(a, b)))
 
 
 def diversity(texts: list[str]) -> dict[str, float]:
