@@ -37,13 +37,18 @@ from DVC's run cache by the others; the report refuses points trained on other i
 its kept policies at 50% and 100%. R1 and R2 as above with those: R1 reads N = 16 against the N = 1 frontier (SFT,
 50%, 100%), R2 retention at 50% and 100%; the interval over n = 128 eval prompts, of the two seeds' mean. Run it with
 one queue worker (`--jobs 1`): two SmolLM2 runs side by side on 2 cores took 7x longer an update, and each would build
-the inputs. ~16 points of ~12 min and ~20 min of inputs: about 3.5 h here.
+the inputs. ~16 points of ~12 min and ~20 min of inputs: about 3.5 h here. Fixed 2026-12-03, before any of its points
+ran: the worker runs every stage with two torch threads (`queue` sets RLHF_TORCH_THREADS=2, as a lone `dvc exp run`
+of the profile has them, and refuses while other workers run), in every sitting: the threads decide the rounding.
+Points end kept in bench/metrics/points/ (bench/archive.py), so the grid goes on from a new clone of the commit that
+holds them, on the same CPU kind (its inputs are rebuilt there and must hash the same: the report checks).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import os
 import sys
 from dataclasses import dataclass, replace
 
@@ -63,7 +68,9 @@ RESAMPLES = 1000  # bootstrap resamples of the eval prompts
 @dataclass(frozen=True)
 class Grid:
     """One grid's points and what its rules read: the profile (None: params.yaml's default, `tiny`), RL seeds, N
-    values, R2's kept policies (fractions of the budget) and the eval prompts a win-rate is over."""
+    values, R2's kept policies (fractions of the budget) and the eval prompts a win-rate is over; `threads`: the
+    torch threads of every stage of its points (RLHF_TORCH_THREADS; None: the queue's one a stage), which decide
+    their rounding, so every point of a grid runs with the same, in every sitting."""
 
     profile: str | None
     seeds: tuple[int, ...]
@@ -71,6 +78,7 @@ class Grid:
     kept: tuple[float, ...]
     eval_prompts: int
     prefix: str
+    threads: int | None = None
 
     def points(self) -> dict[str, list[str]]:
         """Every point: its name and its `-S` settings."""
@@ -88,7 +96,7 @@ class Grid:
 
 TINY = Grid(None, (5, 6, 7, 8), (1, 4, 16), (0.25, 0.5, 1.0), 512, "og")
 # fixed 2026-12-03 before any of its points ran: the profile's own seeds, its kept policies (train.eval_checkpoints)
-SMOLLM2 = Grid("smollm2", (1234, 1235), (1, 16), (0.5, 1.0), 128, "og-smol")
+SMOLLM2 = Grid("smollm2", (1234, 1235), (1, 16), (0.5, 1.0), 128, "og-smol", threads=2)  # one worker, both cores
 GRIDS = {"tiny": TINY, "smollm2": SMOLLM2}
 SEEDS, MINI_BATCHES, KEPT, EVAL_PROMPTS = TINY.seeds, TINY.mini_batches, TINY.kept, TINY.eval_prompts
 
@@ -269,7 +277,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", choices=sorted(GRIDS), default="tiny", help="which grid (default tiny)")
     args = ap.parse_args(argv)
     grid = GRIDS[args.profile]
+    if args.command == "queue" and grid.threads:
+        use_threads(grid.threads)
     return dvc_points.run_points(args.command, grid.points(), args.jobs, lambda: report(grid))
+
+
+def use_threads(threads: int) -> None:
+    """Queue workers started from here run every stage with `threads` torch threads; refused where workers already
+    run (they keep the threads they started with) or RLHF_TORCH_THREADS says otherwise."""
+    if os.environ.get("RLHF_TORCH_THREADS", str(threads)) != str(threads):
+        sys.exit(f"offpolicy_one_rm: this grid's points run with RLHF_TORCH_THREADS={threads}, not the environment's")
+    if workers := dvc_points.queue_workers():
+        sys.exit(
+            f"offpolicy_one_rm: {workers} DVC queue worker(s) running, with their own torch threads; this grid's run "
+            f"with {threads}: `dvc queue stop` once their tasks end, then queue"
+        )
+    os.environ["RLHF_TORCH_THREADS"] = str(threads)
 
 
 if __name__ == "__main__":

@@ -131,3 +131,24 @@ def test_bootstrap_intervals_resample_the_prompts_alike_for_every_point_and_need
     assert grid.prompt_outcomes(kept, {"a": "a", "b": "missing", "c": "c"}) is None
     wins["b"] = wins["b"].assign(policy=0.5)  # not the win-rate the point logged
     assert grid.prompt_outcomes(kept, {p: p for p in wins}) is None
+
+
+def test_the_smollm2_grid_queues_with_two_threads_and_not_beside_other_workers(monkeypatch):
+    """Its points' rounding depends on the stages' torch threads: every point runs with two, in every sitting, so
+    `queue` sets RLHF_TORCH_THREADS for the workers it starts, and refuses where workers already run (they keep
+    their own) or the environment asks for other threads."""
+    import os
+
+    import pytest
+
+    monkeypatch.setattr(grid.dvc_points, "queue_workers", lambda: 1)
+    monkeypatch.delenv("RLHF_TORCH_THREADS", raising=False)
+    with pytest.raises(SystemExit, match=r"1 DVC queue worker\(s\) running"):
+        grid.use_threads(grid.SMOLLM2.threads)
+    monkeypatch.setattr(grid.dvc_points, "queue_workers", lambda: 0)
+    monkeypatch.setenv("RLHF_TORCH_THREADS", "1")
+    with pytest.raises(SystemExit, match="RLHF_TORCH_THREADS=2, not the environment's"):
+        grid.use_threads(grid.SMOLLM2.threads)
+    monkeypatch.delenv("RLHF_TORCH_THREADS")
+    grid.use_threads(grid.SMOLLM2.threads)
+    assert os.environ["RLHF_TORCH_THREADS"] == "2" and grid.TINY.threads is None
