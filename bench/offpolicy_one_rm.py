@@ -42,6 +42,12 @@ ran: the worker runs every stage with two torch threads (`queue` sets RLHF_TORCH
 of the profile has them, and refuses while other workers run), in every sitting: the threads decide the rounding.
 Points end kept in bench/metrics/points/ (bench/archive.py), so the grid goes on from a new clone of the commit that
 holds them, on the same CPU kind (its inputs are rebuilt there and must hash the same: the report checks).
+Fixed 2026-12-03 too, after `tiny`'s grid had been read and before any SmolLM2 point had finished (the first, killed
+while it built the inputs, was queued again): the N = 1 points also keep their policies at 12.5% and 25% of the
+budget (batches 4 and 8 of 32), so R1's N = 1 frontier has points where N = 16's policies sit. On `tiny` the N = 1
+runs were past KL 6 at their first kept policy (25%), so every N = 16 policy of the clipped algorithms (KL 0.7-3.7)
+was read against the straight chord from SFT to it, below a concave frontier: R1's negative losses there (PPO's
+-0.064) measure the chord, not a gain from stale data. R1 and R2 themselves are unchanged; R2 reads 50% and 100%.
 """
 
 from __future__ import annotations
@@ -79,16 +85,20 @@ class Grid:
     eval_prompts: int
     prefix: str
     threads: int | None = None
+    frontier_kept: tuple[float, ...] | None = None  # N = 1's kept policies, where more than the profile's
 
     def points(self) -> dict[str, list[str]]:
         """Every point: its name and its `-S` settings."""
         profile = [] if self.profile is None else [f"profile={self.profile}"]
+        kept = ",".join(f"{f:g}" for f in self.frontier_kept or ())
+        frontier = [f"train.eval_checkpoints=[{kept}]"] if kept else []
         return {
             f"{self.prefix}-{a}-n{n}-s{s}": [
                 *profile,
                 f"train.trainer={a}",
                 f"train.num_mini_batches={n}",
                 f"train.seed={s}",
+                *(frontier if n == 1 else []),
             ]
             for a, n, s in itertools.product(offpolicy.ALGORITHMS, self.mini_batches, self.seeds)
         }
@@ -96,7 +106,10 @@ class Grid:
 
 TINY = Grid(None, (5, 6, 7, 8), (1, 4, 16), (0.25, 0.5, 1.0), 512, "og")
 # fixed 2026-12-03 before any of its points ran: the profile's own seeds, its kept policies (train.eval_checkpoints)
-SMOLLM2 = Grid("smollm2", (1234, 1235), (1, 16), (0.5, 1.0), 128, "og-smol", threads=2)  # one worker, both cores
+# threads and frontier_kept fixed 2026-12-03 after tiny's grid, before any SmolLM2 point had finished (docstring)
+SMOLLM2 = Grid(
+    "smollm2", (1234, 1235), (1, 16), (0.5, 1.0), 128, "og-smol", threads=2, frontier_kept=(0.125, 0.25, 0.5, 1)
+)
 GRIDS = {"tiny": TINY, "smollm2": SMOLLM2}
 SEEDS, MINI_BATCHES, KEPT, EVAL_PROMPTS = TINY.seeds, TINY.mini_batches, TINY.kept, TINY.eval_prompts
 

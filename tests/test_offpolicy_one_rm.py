@@ -87,6 +87,13 @@ def test_the_smollm2_half_is_the_same_algorithms_at_n_1_and_16_on_the_profiles_s
     assert tuple(cfg.train.eval_checkpoints) == grid.SMOLLM2.kept and cfg.data.n_eval_prompts == 128
     sizes = Sizes.derive(cfg.train, 1)  # 16 mini-batches of 8 prompts a generated batch: sizes that divide
     assert (sizes.local_batch, sizes.num_batches) == (128, 2)  # the same 32 updates as N = 1's 32 batches
+    assert "train.eval_checkpoints" not in " ".join(settings)  # N = 16: the profile's 50% and 100%
+    from rlhf.trainers.frontier import frontier_batches
+
+    on_policy = load_config(PARAMS, None, points["og-smol-online_dpo-n1-s1234"]).train
+    assert on_policy.eval_checkpoints == [0.125, 0.25, 0.5, 1.0]  # N = 1's frontier: where N = 16's policies sit too
+    assert frontier_batches(on_policy.eval_checkpoints, Sizes.derive(on_policy, 1).num_batches) == {4, 8, 16}
+    assert all("eval_checkpoints" not in " ".join(s) for s in grid.TINY.points().values())  # tiny's ran as they were
 
 
 def test_the_smollm2_rules_read_its_n_values_and_kept_policies():
