@@ -27,6 +27,7 @@ WINS = "prompt_wins.csv"  # prompt_id, then per kept policy (policy@<episode>, t
 
 
 def git(root: Path, *args: str) -> str:
+    """`git ARGS`'s stdout in `root`; a failure raises (CalledProcessError, with git's message)."""
     return subprocess.run(["git", *args], cwd=root, text=True, capture_output=True, check=True).stdout
 
 

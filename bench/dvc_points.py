@@ -136,7 +136,7 @@ def committed(rev: str, path: str) -> str:
     bench/metrics/points/ keeps it for a kept point's revision."""
     if (text := archive.read(KEPT, rev, path)) is not None:
         return text
-    return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, text=True, capture_output=True, check=True).stdout
+    return archive.git(ROOT, "show", f"{rev}:{path}")
 
 
 def input_hashes(rev: str) -> dict[str, str]:
