@@ -29,6 +29,14 @@ not change them. Added 2026-12-03, while the `tiny` points ran and before any re
 over the eval prompts (RESAMPLES resamples, the same for every point) of the seeds' mean win-rates, R1's losses and
 R2's margins, from each point's per-prompt outcomes (bench/archive.py's WINS); beside the rules, like the binomial.
 
+R1-dense (`--profile tiny-frontier`), fixed 2026-12-03 after R1's outcome on `tiny` was read and before any of its
+points ran: R1 again with the N = 1 frontier drawn from og-front-<algorithm>-n1-s<seed>, the grid's own N = 1 runs
+(same settings and seeds) with their policies also kept at 1/32, 1/16, 3/32, 1/8 and 3/16 of the budget (batches
+2-12 of 64, where the N = 1 runs cross KL ~1-5), and the grid's N = 4 and 16 policies as they are. A diagnostic of
+R1, not a new test of the claim: the N > 1 policies it reads were seen; it says whether R1's verdict came from the
+chord of a sparse frontier. Void unless og-front's 25-100% policies are the grid's N = 1 ones (the same win-rates and
+KL), which the report checks first. 16 points, ~20 min on two queue workers.
+
 The SmolLM2 half (`--profile smollm2`; fixed 2026-12-03, after the profile's default run was seen to learn under the
 fifth rule of docs/benchmarks.md, "SmolLM2 learns again", and before any of these points ran): the same four
 algorithms x N in {1, 16} x the profile's RL seeds 1234 and 1235, og-smol-<algorithm>-n<N>-s<seed>, every point on
@@ -110,7 +118,14 @@ TINY = Grid(None, (5, 6, 7, 8), (1, 4, 16), (0.25, 0.5, 1.0), 512, "og")
 SMOLLM2 = Grid(
     "smollm2", (1234, 1235), (1, 16), (0.5, 1.0), 128, "og-smol", threads=2, frontier_kept=(0.125, 0.25, 0.5, 1)
 )
-GRIDS = {"tiny": TINY, "smollm2": SMOLLM2}
+# R1-dense (docstring), fixed 2026-12-03 after R1's outcome on tiny was read, before any of these points ran
+TINY_FRONTIER = replace(
+    TINY,
+    mini_batches=(1,),
+    prefix="og-front",
+    frontier_kept=(1 / 32, 1 / 16, 3 / 32, 1 / 8, 3 / 16, 0.25, 0.5, 0.75, 1),
+)
+GRIDS = {"tiny": TINY, "smollm2": SMOLLM2, "tiny-frontier": TINY_FRONTIER}
 SEEDS, MINI_BATCHES, KEPT, EVAL_PROMPTS = TINY.seeds, TINY.mini_batches, TINY.kept, TINY.eval_prompts
 
 
@@ -287,6 +302,40 @@ def report(grid: Grid) -> int:
     return 0
 
 
+def dense_frontier(frame: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
+    """R1-dense's kept policies (the og-front points' N = 1, the grid's N > 1) from frontier rows of both grids' points,
+    and its check: og-front's policies at the grid's own kept fractions are the grid's N = 1 policies (the same
+    win-rates and KL, every algorithm and seed)."""
+    dense = frame["point"].str.startswith(f"{TINY_FRONTIER.prefix}-")
+    ones = frame[~dense & (frame["N"] == 1) & (frame["fraction"] > 0)]
+    pairs = ones.merge(frame[dense], on=["algorithm", "seed", "fraction"], suffixes=("", "_dense"))
+    same = len(pairs) == len(ones) > 0 and all(
+        (pairs[c] == pairs[f"{c}_dense"]).all() for c in ("win_rate_vs_sft", "kl")
+    )
+    return frame[(dense | (frame["N"] > 1)) & (frame["fraction"] > 0)].reset_index(drop=True), same
+
+
+def dense_frontier_report() -> int:
+    """R1-dense: bench/metrics/offpolicy_one_rm_dense.md."""
+    pts = {**TINY.points(), **TINY_FRONTIER.points()}
+    exps = dvc_points.experiments()
+    if missing := [n for n in pts if n not in exps]:
+        sys.exit(f"offpolicy_one_rm: not run yet: {len(missing)} points, e.g. {missing[0]}; `queue` runs them")
+    kept, same = dense_frontier(dvc_points.frontier_rows(exps, pts))
+    outcomes = prompt_outcomes(kept, exps)
+    draws = None if outcomes is None else resampled_win_rates(outcomes)
+    check = "yes" if same else "NO: the reading is void (the runs differ)"
+    title = "# R1 on a denser N = 1 frontier, tiny, seeds 5, 6, 7, 8"
+    lines = [title, "", f"og-front's 25-100% policies are the grid's N = 1 policies: {check}.", ""]
+    lines += [
+        *win_table(kept[kept["N"] == 1], TINY, draws[:, (kept["N"] == 1).to_numpy()] if draws is not None else None)
+    ]
+    text = "\n".join([*lines, "", *rule_one(kept, TINY, draws)]) + "\n"
+    write_text(offpolicy.OUT / "offpolicy_one_rm_dense.md", text)
+    print(text)
+    return 0 if same else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = dvc_points.point_parser(__doc__)
     ap.add_argument("--profile", choices=sorted(GRIDS), default="tiny", help="which grid (default tiny)")
@@ -294,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     grid = GRIDS[args.profile]
     if args.command == "queue" and grid.threads:
         use_threads(grid.threads)
-    return dvc_points.run_points(args.command, grid.points(), args.jobs, lambda: report(grid))
+    reading = dense_frontier_report if grid is TINY_FRONTIER else functools.partial(report, grid)
+    return dvc_points.run_points(args.command, grid.points(), args.jobs, reading)
 
 
 def use_threads(threads: int) -> None:

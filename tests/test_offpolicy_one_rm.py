@@ -161,3 +161,32 @@ def test_the_smollm2_grid_queues_with_two_threads_and_not_beside_other_workers(m
     monkeypatch.delenv("RLHF_TORCH_THREADS")
     grid.use_threads(grid.SMOLLM2.threads)
     assert os.environ["RLHF_TORCH_THREADS"] == "2" and grid.TINY.threads is None
+
+
+def test_r1_dense_reads_the_grids_n1_runs_again_kept_early_and_checks_they_are_the_same_runs():
+    """R1-dense: the grid's N = 1 runs with their policies also kept at batches 2-12 of 64; its N = 1 frontier from
+    them, the grid's N > 1 policies as they are; void unless its 25-100% policies are the grid's own."""
+    from rlhf.config import load_config
+    from rlhf.trainers.frontier import frontier_batches
+    from rlhf.trainers.setup import Sizes
+
+    dense = grid.TINY_FRONTIER.points()
+    assert len(dense) == 4 * 4 and all("-n1-" in name and name.startswith("og-front-") for name in dense)
+    cfg = load_config(PARAMS, "tiny", dense["og-front-rloo-n1-s7"]).train
+    base = load_config(PARAMS, "tiny", grid.points()["og-rloo-n1-s7"]).train
+    assert cfg.model_copy(update={"eval_checkpoints": base.eval_checkpoints}) == base  # the same run otherwise
+    assert frontier_batches(cfg.eval_checkpoints, Sizes.derive(cfg, 1).num_batches) == {2, 4, 6, 8, 12, 16, 32, 48}
+    rows = []
+    for point, n, fractions in (("og-ppo-n1-s5", 1, FRACTIONS), ("og-ppo-n16-s5", 16, FRACTIONS),
+                                ("og-front-ppo-n1-s5", 1, (0.0625, *FRACTIONS))):  # fmt: skip
+        for f in (0.0, *fractions):
+            kl = 4 * f if n == 1 else f
+            rows.append(
+                dict(point=point, algorithm="ppo", N=n, seed=5, fraction=f, kl=kl, win_rate_vs_sft=0.5 + kl / 10)
+            )
+    frame = pd.DataFrame(rows)
+    kept, same = grid.dense_frontier(frame)
+    assert same and set(kept["point"]) == {"og-front-ppo-n1-s5", "og-ppo-n16-s5"} and (kept["fraction"] > 0).all()
+    assert len(kept[kept["N"] == 1]) == 5  # 1/16 besides the grid's four
+    frame.loc[(frame["point"] == "og-front-ppo-n1-s5") & (frame["fraction"] == 0.5), "kl"] += 1e-9
+    assert grid.dense_frontier(frame)[1] is False
