@@ -139,6 +139,16 @@ def committed(rev: str, path: str) -> str:
     return archive.git(ROOT, "show", f"{rev}:{path}")
 
 
+def built_profile() -> str | None:
+    """The profile the workspace's dvc.lock built the INPUTS stages with (its `prepare` stage's `profile` param);
+    None before anything was built. Points queued from it reuse those outputs only for that profile: every output
+    is `persist: true` (dvc.yaml), and DVC's run cache skips such stages, so each point of another profile builds
+    its own inputs."""
+    lock = ROOT / "dvc.lock"
+    stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}) if lock.is_file() else {}
+    return ((stages.get("prepare") or {}).get("params") or {}).get("params.yaml", {}).get("profile")
+
+
 def input_hashes(rev: str) -> dict[str, str]:
     """Each INPUTS stage's output folders (data/prepared, data/sft, ...) as experiment revision `rev`'s dvc.lock
     records them: stage -> their md5s."""

@@ -50,6 +50,11 @@ ran: the worker runs every stage with two torch threads (`queue` sets RLHF_TORCH
 of the profile has them, and refuses while other workers run), in every sitting: the threads decide the rounding.
 Points end kept in bench/metrics/points/ (bench/archive.py), so the grid goes on from a new clone of the commit that
 holds them, on the same CPU kind (its inputs are rebuilt there and must hash the same: the report checks).
+Queued from a workspace whose dvc.lock holds `tiny`'s inputs, every point built its own SmolLM2 inputs (~22 min; seen
+2026-12-03: DVC's run cache skips stages with persist outputs, which every stage here has), so `queue` refuses
+unless the workspace's dvc.lock holds the profile's inputs, and names the recipe: a branch with `profile: smollm2`,
+its inputs built once by `RLHF_TORCH_THREADS=2 dvc repro reward` (the points' threads: the same md5s as the first
+point's, which the report checks), the points queued from there.
 Fixed 2026-12-03 too, after `tiny`'s grid had been read and before any SmolLM2 point had finished (the first, killed
 while it built the inputs, was queued again): the N = 1 points also keep their policies at 12.5% and 25% of the
 budget (batches 4 and 8 of 32), so R1's N = 1 frontier has points where N = 16's policies sit. On `tiny` the N = 1
@@ -341,6 +346,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", choices=sorted(GRIDS), default="tiny", help="which grid (default tiny)")
     args = ap.parse_args(argv)
     grid = GRIDS[args.profile]
+    if args.command == "queue" and grid.profile and (built := dvc_points.built_profile()) != grid.profile:
+        sys.exit(
+            f"offpolicy_one_rm: the workspace's dvc.lock holds {built}'s inputs, so every {grid.profile} point would "
+            f"build its own (~22 min each: DVC's run cache skips stages with persist outputs). Build them once on a "
+            f"branch and queue from there: git switch -c {grid.profile}-grid && sed -i 's/^profile: .*/profile: "
+            f"{grid.profile}/' params.yaml && RLHF_TORCH_THREADS={grid.threads or 1} dvc repro reward && git commit "
+            f"-qam '{grid.profile} inputs' (then commit the points kept in bench/metrics/points/ on main)"
+        )
     if args.command == "queue" and grid.threads:
         use_threads(grid.threads)
     reading = dense_frontier_report if grid is TINY_FRONTIER else functools.partial(report, grid)

@@ -190,3 +190,25 @@ def test_r1_dense_reads_the_grids_n1_runs_again_kept_early_and_checks_they_are_t
     assert len(kept[kept["N"] == 1]) == 5  # 1/16 besides the grid's four
     frame.loc[(frame["point"] == "og-front-ppo-n1-s5") & (frame["fraction"] == 0.5), "kl"] += 1e-9
     assert grid.dense_frontier(frame)[1] is False
+
+
+def test_a_profile_grid_is_queued_only_from_a_workspace_holding_that_profiles_inputs(monkeypatch, tmp_path):
+    """Every output is persist (dvc.yaml), so DVC's run cache skips the stages: points queued from tiny's dvc.lock
+    each built their own SmolLM2 inputs (~22 min each, seen 2026-12-03). `queue` refuses there, naming the recipe."""
+    import pytest
+
+    lock = tmp_path / "dvc.lock"
+    lock.write_text("schema: '2.0'\nstages:\n  prepare:\n    params:\n      params.yaml:\n        profile: tiny\n")
+    monkeypatch.setattr(grid.dvc_points, "ROOT", tmp_path)
+    assert grid.dvc_points.built_profile() == "tiny"
+    with pytest.raises(SystemExit, match=r"holds tiny's inputs, so every smollm2 point would build its own.*repro"):
+        grid.main(["--profile", "smollm2", "queue"])
+    lock.write_text(lock.read_text().replace("tiny", "smollm2"))
+    queued = []
+    monkeypatch.setattr(grid.dvc_points, "queue_workers", lambda: 0)
+    monkeypatch.setattr(grid.dvc_points, "run_points", lambda command, pts, jobs, reading: queued.append(len(pts)))
+    monkeypatch.delenv("RLHF_TORCH_THREADS", raising=False)
+    grid.main(["--profile", "smollm2", "queue"])
+    assert queued == [16]
+    lock.unlink()
+    assert grid.dvc_points.built_profile() is None
