@@ -41,11 +41,14 @@ The SmolLM2 half (`--profile smollm2`; fixed 2026-12-03, after the profile's def
 fifth rule of docs/benchmarks.md, "SmolLM2 learns again", and before any of these points ran): the same four
 algorithms x N in {1, 16} x the profile's RL seeds 1234 and 1235, og-smol-<algorithm>-n<N>-s<seed>, every point on
 the smollm2 profile's own data, judge, SFT policy and normalised reward model (built by the first point, restored
-from DVC's run cache by the others; the report refuses points trained on other inputs), LoRA as the profile has it,
+from DVC's run cache by the others: they are not, see below; the report refuses points trained on other inputs),
+LoRA as the profile has it,
 its kept policies at 50% and 100%. R1 and R2 as above with those: R1 reads N = 16 against the N = 1 frontier (SFT,
 50%, 100%), R2 retention at 50% and 100%; the interval over n = 128 eval prompts, of the two seeds' mean. Run it with
 one queue worker (`--jobs 1`): two SmolLM2 runs side by side on 2 cores took 7x longer an update, and each would build
-the inputs. ~16 points of ~12 min and ~20 min of inputs: about 3.5 h here. Fixed 2026-12-03, before any of its points
+the inputs. ~16 points of ~12 min and ~20 min of inputs: about 3.5 h here (measured 2026-12-03 with two threads:
+the inputs 22 min, a PPO N = 1 point ~20 min more, 25 s a batch and its five kept policies evaluated: nearer 5 h
+for the grid). Fixed 2026-12-03, before any of its points
 ran: the worker runs every stage with two torch threads (`queue` sets RLHF_TORCH_THREADS=2, as a lone `dvc exp run`
 of the profile has them, and refuses while other workers run), in every sitting: the threads decide the rounding.
 Points end kept in bench/metrics/points/ (bench/archive.py), so the grid goes on from a new clone of the commit that
