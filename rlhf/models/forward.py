@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from rlhf.algorithms.common import as_dtype, logprobs_from_logits
-from rlhf.models.batch import ModelInput
+from rlhf.models.batch import ModelInput, row_chunks
 
 
 def response_logprobs(
@@ -37,17 +37,8 @@ def response_logprobs(
 def reference_logprobs(model: nn.Module, inputs: ModelInput, temperature: float, chunk: int = 64) -> torch.Tensor:
     """`response_logprobs` of a frozen model over a whole generated batch, `chunk` rows per forward; (N, T),
     0 on padding. The learner and the async engine both compute the reference here, so their numbers agree."""
-    logps = [
-        response_logprobs(
-            model,
-            inputs.sequences[i : i + chunk],
-            inputs.attn[i : i + chunk],
-            inputs.positions[i : i + chunk],
-            inputs.context,
-            temperature,
-        )
-        for i in range(0, len(inputs.sequences), chunk)
-    ]
+    rows = row_chunks(chunk, inputs.sequences, inputs.attn, inputs.positions)
+    logps = [response_logprobs(model, *r, inputs.context, temperature) for r in rows]
     return cat_rows(logps) * inputs.response_mask
 
 

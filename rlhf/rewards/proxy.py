@@ -16,8 +16,8 @@ from typing import Literal
 
 import torch
 
-from rlhf.models.batch import ModelInput, host_list
-from rlhf.models.forward import sequence_scores
+from rlhf.models.batch import ModelInput, host_list, row_chunks
+from rlhf.models.forward import cat_rows, sequence_scores
 
 
 class ProxyReward:
@@ -41,11 +41,10 @@ class ProxyReward:
     def __call__(self, batch: ModelInput, texts: list[str]) -> torch.Tensor:
         batch = batch.to(self.device)
         last = batch.response_mask.sum(1).clamp(min=1) - 1
-        s, a, p = batch.sequences, batch.attn, batch.positions
-        chunks = [slice(i, i + self.chunk) for i in range(0, len(s), self.chunk)]
+        chunks = row_chunks(self.chunk, batch.sequences, batch.attn, batch.positions, last)
         with torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext():
-            scores = [sequence_scores(self.model, s[c], a[c], p[c], batch.context, last[c]) for c in chunks]
-        return torch.cat(scores)
+            scores = [sequence_scores(self.model, s, a, p, batch.context, rows_last) for s, a, p, rows_last in chunks]
+        return cat_rows(scores)
 
 
 def by_prompt(batch: ModelInput, table: dict[tuple[int, ...], str], name: str, kind: str) -> list[str]:

@@ -32,7 +32,15 @@ from rlhf.config import Config, config_yaml
 from rlhf.generation.base import Generated
 from rlhf.generation.weights import full_weights
 from rlhf.io import after_publishing, atomic_dir, read_json, write_text
-from rlhf.models.batch import ModelInput, assemble, host_list, micro_batch_columns, to_device, trim_padding
+from rlhf.models.batch import (
+    ModelInput,
+    assemble,
+    host_list,
+    micro_batch_columns,
+    row_chunks,
+    to_device,
+    trim_padding,
+)
 from rlhf.models.forward import cat_rows, reference_logprobs, response_logprobs, response_logprobs_and_values
 from rlhf.models.loading import save_policy
 from rlhf.runtime import collect_garbage, crash_point, scheduled_gc, seconds_since_start
@@ -268,13 +276,13 @@ def _logprobs(run: Run, inputs: ModelInput, gen: Generated, chunk: int = 64):
     objective, temperature = run.objective, run.cfg.train.temperature
     behaviour = objective.needs_behaviour_logprobs or gen.logprobs is None
     logps, values = [], []
-    for i in range(0, len(inputs.sequences), chunk):
-        rows = (inputs.sequences[i : i + chunk], inputs.attn[i : i + chunk], inputs.positions[i : i + chunk])
+    needed = behaviour or objective.needs_values
+    for rows in row_chunks(chunk, inputs.sequences, inputs.attn, inputs.positions) if needed else []:
         if objective.needs_values:
             logp, v = response_logprobs_and_values(run.model, *rows, inputs.context, temperature)
             logps.append(logp)
             values.append(v)
-        elif behaviour:
+        else:
             logps.append(response_logprobs(run.model, *rows, inputs.context, temperature))
     mask = inputs.response_mask
     if gen.ref_logprobs is not None:

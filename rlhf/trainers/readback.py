@@ -37,7 +37,8 @@ def read_batch(run, t: int, col, step_stats: list[dict[str, torch.Tensor]]) -> R
     """Batch t's metrics (the objective's, its micro-steps' means, the rollout's) in one read; stops the run when its
     scores, loss or gradient norm are not finite. col: the loop's Collected batch."""
     r = col.rollout
-    stats = {**col.stats, **_means(step_stats)}
+    step_keys, step_means = _means(step_stats)
+    stats = {k: v for k, v in col.stats.items() if k not in step_keys}  # a micro-step metric of that name wins
     stats.update(
         {
             "objective/scores": r.scores.mean(),
@@ -54,10 +55,10 @@ def read_batch(run, t: int, col, step_stats: list[dict[str, torch.Tensor]]) -> R
     device = run.acc.device
     if gold is not None:
         stats["objective/gold"] = to_device(gold.mean(), device)  # the judge scores on the host
-    keys = sorted(stats)  # every rank reduces in the same order
-    # one stack (promoted to the widest dtype: exact) and one cast, not a conversion a metric; metrics are tensors on
-    # the device already (rlhf.trainers.objectives), so none is converted: even a no-op conversion is an op
-    local = torch.stack([stats[k] for k in keys]).float()
+    keys = sorted(stats) + step_keys  # every rank reduces in the same order
+    # one stack and one cat (promoted to the widest dtype: exact), one cast, not a conversion a metric; metrics are
+    # tensors on the device already (rlhf.trainers.objectives), so none is converted: even a no-op conversion is an op
+    local = torch.cat([torch.stack([stats[k] for k in keys[: len(stats)]]), step_means]).float()
     reduced = run.acc.reduce(local, reduction="mean")
     trail = [(name, s[key]) for s in step_stats for name, key in TRAIL if key in s]  # micro-step order
     this_rank = [r.scores, torch.stack([v for _, v in trail])]  # on the device, float (cat promotes: exact)
@@ -80,16 +81,17 @@ def texts_of(run, col) -> list[str]:
     return col.texts
 
 
-def _means(step_stats: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Each metric's mean over the micro-steps that have it, summed in float64 in micro-step order (as the Python
-    floats it replaces). When every micro-step has the same metrics (the usual case), one stack and one mean over the
-    steps (4 ops); else one stack and one index_add for all (9; a stack and a mean a metric were ~4 ops each)."""
+def _means(step_stats: list[dict[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
+    """Each metric's name and its mean over the micro-steps that have it (M,), summed in float64 in micro-step order
+    (as the Python floats it replaces), kept as one tensor: the read-back stacks it whole. When every micro-step has
+    the same metrics (the usual case), one stack and one mean over the steps (3 ops); else one stack and one
+    index_add for all (8; a stack and a mean a metric were ~4 ops each)."""
     if not step_stats:
-        return {}
+        return [], torch.zeros(0, dtype=torch.float64)
     values = torch.stack([v for s in step_stats for v in s.values()]).double()
     first = list(step_stats[0])
     if all(list(s) == first for s in step_stats):  # the steps' sum runs over dim 0 in order: the same bits
-        return dict(zip(first, values.view(len(step_stats), len(first)).mean(0)))
+        return first, values.view(len(step_stats), len(first)).mean(0)
     keys = sorted({k for s in step_stats for k in s})
     slot = {k: i for i, k in enumerate(keys)}
     where = [slot[k] for s in step_stats for k in s]
@@ -97,7 +99,7 @@ def _means(step_stats: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]
     sums = torch.zeros(len(keys), dtype=torch.float64, device=values.device).index_add_(0, index, values)
     times = Counter(where)
     counts = to_device(torch.tensor([times[i] for i in range(len(keys))], dtype=torch.float64), values.device)
-    return dict(zip(keys, sums / counts))
+    return keys, sums / counts
 
 
 def _check_finite(run, t: int, row: dict[str, float], n: int, trail) -> None:
