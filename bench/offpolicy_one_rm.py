@@ -289,15 +289,26 @@ BOOTSTRAP_NOTE = (
 NO_OUTCOMES = "a point's per-prompt outcomes are not held here: neither kept nor in the DVC cache"
 
 
-def report(grid: Grid) -> int:
-    pts = grid.points()
+def _experiments_of(pts: dict) -> dict:
+    """Every point's experiment (run, or kept in bench/metrics/points/); exits naming one that has not run."""
     exps = dvc_points.experiments()
     if missing := [n for n in pts if n not in exps]:
         sys.exit(f"offpolicy_one_rm: not run yet: {len(missing)} points, e.g. {missing[0]}; `queue` runs them")
+    return exps
+
+
+def _draws(kept: pd.DataFrame, exps: dict) -> np.ndarray | None:
+    """The kept policies' bootstrap draws of their win-rates, or None where their per-prompt outcomes are missing."""
+    outcomes = prompt_outcomes(kept, exps)
+    return None if outcomes is None else resampled_win_rates(outcomes)
+
+
+def report(grid: Grid) -> int:
+    pts = grid.points()
+    exps = _experiments_of(pts)
     frame = dvc_points.frontier_rows(exps, pts)
     kept = frame[frame["fraction"] > 0].reset_index(drop=True)
-    outcomes = prompt_outcomes(kept, exps)
-    draws = None if outcomes is None else resampled_win_rates(outcomes)
+    draws = _draws(kept, exps)
     seeds = ", ".join(map(str, grid.seeds))
     title = f"# The off-policy grid under one reward model, {grid.profile or 'tiny'}, seeds {seeds}"
     note = BOOTSTRAP_NOTE.format(n=RESAMPLES) if draws is not None else "Bootstrap intervals: n/a (" + NO_OUTCOMES + ")"
@@ -326,12 +337,9 @@ def dense_frontier(frame: pd.DataFrame) -> tuple[pd.DataFrame, bool]:
 def dense_frontier_report() -> int:
     """R1-dense: bench/metrics/offpolicy_one_rm_dense.md."""
     pts = {**TINY.points(), **TINY_FRONTIER.points()}
-    exps = dvc_points.experiments()
-    if missing := [n for n in pts if n not in exps]:
-        sys.exit(f"offpolicy_one_rm: not run yet: {len(missing)} points, e.g. {missing[0]}; `queue` runs them")
+    exps = _experiments_of(pts)
     kept, same = dense_frontier(dvc_points.frontier_rows(exps, pts))
-    outcomes = prompt_outcomes(kept, exps)
-    draws = None if outcomes is None else resampled_win_rates(outcomes)
+    draws = _draws(kept, exps)
     check = "yes" if same else "NO: the reading is void (the runs differ)"
     title = "# R1 on a denser N = 1 frontier, tiny, seeds 5, 6, 7, 8"
     lines = [title, "", f"og-front's 25-100% policies are the grid's N = 1 policies: {check}.", ""]

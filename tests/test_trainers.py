@@ -302,6 +302,29 @@ def test_every_model_that_samples_or_scores_computes_in_the_training_precision(c
     assert len(seen["policy"]) > 1  # the engine's decode steps and the behaviour forward
 
 
+def test_the_parameters_gradient_accumulators_outlive_each_micro_steps_graph(ci_data):
+    """PPO's policy and value model: each trainable parameter's AccumulateGrad node is held by the run, so a
+    micro-step's graph finds the same node and does not free it with the rest (autograd holds it weakly: unheld, each
+    forward made a new one and each graph's teardown freed ~200 a backbone)."""
+    from accelerate.state import AcceleratorState
+
+    from rlhf.trainers import loop
+    from rlhf.trainers.setup import setup
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    run = setup(ci_config(ci_data, "train.trainer=ppo"))
+    try:
+        trainable = [p for p in run.model.parameters() if p.requires_grad]
+        assert len(run.grad_accumulators) == len(trainable) > 0
+        state = loop.checkpoint.LoopState()
+        loop.update(run, loop.collect(run, 0, loop.Clock()), 0, state)  # micro-steps: their graphs built and freed
+        for p, held in zip(trainable, run.grad_accumulators):
+            assert p.view_as(p).grad_fn.next_functions[0][0] is held
+    finally:
+        run.engine.close()
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.mark.parametrize("trainer", ["ppo", "rloo", "online_dpo"])
 def test_an_iteration_reads_the_device_at_most_three_times_all_when_it_logs(ci_data, trainer, monkeypatch):
     """Every `.item()`, `.tolist()`, `.cpu()`, `.numpy()` and tensor truth or number value taken in the loop's own code

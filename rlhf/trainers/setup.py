@@ -79,10 +79,16 @@ class Run:
     # the bare policy (no accelerate/DeepSpeed wrapper, no value head): what the engine and export see. Unwrapped once:
     # accelerate's unwrap_model took 1.8 ms a call, every batch (bench/host_overhead.py)
     policy: nn.Module = field(init=False)
+    # the trainable parameters' gradient accumulators (their AccumulateGrad nodes), held for the run as DDP's reducer
+    # and ZeRO hold theirs: else every forward made them anew and every micro-step's graph freed them with it (~200
+    # a backbone, ~10% of the graph's teardown after each backward; bench/host_overhead.py). DeepSpeed holds its own.
+    grad_accumulators: list = field(init=False)
 
     def __post_init__(self):
         c = self.cfg.train
         self.policy = unwrap_policy(self.acc.unwrap_model(self.model))
+        held = self.acc.state.deepspeed_plugin is None
+        self.grad_accumulators = grad_accumulators(self.model) if held else []
         self.params = SamplingParams(c.k, c.response_length, c.temperature)
         self.shuffle = torch.Generator().manual_seed(self.cfg.rl_seed + 7919 * self.acc.process_index)
         self.ckpt_dir = checkpoint_dir(self.cfg)
@@ -95,6 +101,13 @@ class Run:
     def prompts_of(self, t: int) -> list[list[int]]:
         """This rank's prompts of generated batch t."""
         return batch_prompts(self.prompts, t, self.sizes, self.acc.process_index, self.cfg.rl_seed)
+
+
+def grad_accumulators(model: nn.Module) -> list:
+    """The AccumulateGrad node of each of `model`'s trainable parameters: the node a backward adds its gradient with,
+    one per parameter for as long as something holds it (autograd keeps only a weak reference)."""
+    with torch.enable_grad():
+        return [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters() if p.requires_grad]
 
 
 def checkpoint_dir(cfg: Config) -> Path:
