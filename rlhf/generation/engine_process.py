@@ -22,6 +22,7 @@ import torch
 
 from rlhf.generation.base import EngineSpec, Generated, SamplingParams
 from rlhf.generation.engine_build import build
+from rlhf.generation.quiet_channels import EngineInbox, quiet_fd_server
 from rlhf.generation.vllm import Swap, VLLMEngine, import_engine_code
 from rlhf.generation.weights import SharedWeights
 from rlhf.runtime import give_back_cores, keep_off_cores, visible_gpus
@@ -321,7 +322,8 @@ class EngineProcess:
     def __init__(self, device: str, max_staleness: int):
         ctx = mp.get_context("spawn")
         self.device, self.max_staleness = device, max_staleness
-        self.inbox = ctx.Queue(maxsize=2 * (max_staleness + 2))
+        quiet_fd_server()  # the engine's death is this class's one line (`dead`), not a helper thread's traceback
+        self.inbox = EngineInbox(maxsize=2 * (max_staleness + 2), ctx=ctx)
         self.stop = ctx.Event()
         self.results, writer = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(
