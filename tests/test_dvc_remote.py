@@ -48,6 +48,9 @@ def env(home) -> dict:
         "AWS_CONFIG_FILE": str(home / "home" / "aws-config"),
         "AWS_SHARED_CREDENTIALS_FILE": str(home / "home" / "aws-credentials"),
         "AWS_EC2_METADATA_DISABLED": "true",
+        # one attempt a request (botocore's default is 5, with backoff): a remote that answers nothing fails at once;
+        # moto on loopback needs no retry
+        "AWS_MAX_ATTEMPTS": "1",
     }
 
 

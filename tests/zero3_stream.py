@@ -8,6 +8,7 @@ import os
 import deepspeed
 import torch
 
+from rlhf import runtime
 from rlhf.config import LoraConfig, ModelConfig
 from rlhf.generation import weights
 from rlhf.models import lora, tiny
@@ -29,6 +30,7 @@ def snapshot_of(model, reference, sizes: list) -> str:
 if __name__ == "__main__":
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("ZERO3_PORT", "29533"), LOCAL_RANK="0")
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    runtime.configure_torch()  # as every stage: DeepSpeed's CPU accelerator, without its shared-memory comm op build
     tok = tiny.train_word_tokenizer(["a b c d e f g"], vocab_size=32)
     cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=32)
     sizes, gathered = [], deepspeed.zero.GatheredParameters
