@@ -118,7 +118,7 @@ def configure_torch() -> None:
     if not torch.cuda.is_available():  # DeepSpeed finds CUDA by itself; on a CPU-only box it must be told
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":  # set by `accelerate launch`
-            _skip_deepspeed_shm_op()
+            skip_deepspeed_shm_op()
     torch.set_num_threads(torch_threads())
 
 
@@ -179,7 +179,7 @@ def other_stages() -> list[str]:
     return found
 
 
-def _skip_deepspeed_shm_op() -> None:
+def skip_deepspeed_shm_op() -> None:
     """DeepSpeed on CPU compiles a shared-memory all-reduce (C++) when its process group starts, for its
     tensor-parallel inference (inference_all_reduce) only: ZeRO training reduces through torch.distributed (gloo)
     either way. The build took 40 s on a fast box and over 25 min on a slow one, and a build killed half-way left a

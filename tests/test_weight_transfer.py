@@ -47,7 +47,7 @@ def test_the_real_dev_shm_holds_a_tiny_models_copies_and_not_an_exabyte(tmp_path
 
 
 # slow: a DeepSpeed ZeRO-3 process group in a fresh interpreter, as the launcher tests (~7 s; 33-65 s while the
-# script left DeepSpeed to find its accelerator by itself: it now configures torch as every stage does)
+# script let DeepSpeed build its shared-memory comm op, which ZeRO never uses: it now skips it as launched runs do)
 @pytest.mark.slow
 def test_zero3_weights_are_gathered_one_parameter_at_a_time():
     """shared_snapshot of a ZeRO-3 model asks GatheredParameters for one weight at a time (was: all of them at

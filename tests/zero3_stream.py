@@ -30,7 +30,8 @@ def snapshot_of(model, reference, sizes: list) -> str:
 if __name__ == "__main__":
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("ZERO3_PORT", "29533"), LOCAL_RANK="0")
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    runtime.configure_torch()  # as every stage: DeepSpeed's CPU accelerator, without its shared-memory comm op build
+    runtime.configure_torch()  # DeepSpeed's CPU accelerator and one thread, as every stage
+    runtime.skip_deepspeed_shm_op()  # as a launched DeepSpeed run: no C++ build of an op that ZeRO never uses
     tok = tiny.train_word_tokenizer(["a b c d e f g"], vocab_size=32)
     cfg = ModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=32)
     sizes, gathered = [], deepspeed.zero.GatheredParameters
