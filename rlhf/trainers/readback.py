@@ -55,10 +55,11 @@ def read_batch(run, t: int, col, step_stats: list[dict[str, torch.Tensor]]) -> R
     device = run.acc.device
     if gold is not None:
         stats["objective/gold"] = to_device(gold.mean(), device)  # the judge scores on the host
-    keys = sorted(stats) + step_keys  # every rank reduces in the same order
+    batch_keys = sorted(stats)
+    keys = batch_keys + step_keys  # every rank reduces in the same order
     # one stack and one cat (promoted to the widest dtype: exact), one cast, not a conversion a metric; metrics are
     # tensors on the device already (rlhf.trainers.objectives), so none is converted: even a no-op conversion is an op
-    local = torch.cat([torch.stack([stats[k] for k in keys[: len(stats)]]), step_means]).float()
+    local = torch.cat([torch.stack([stats[k] for k in batch_keys]), step_means]).float()
     reduced = run.acc.reduce(local, reduction="mean")
     trail = [(name, s[key]) for s in step_stats for name, key in TRAIL if key in s]  # micro-step order
     this_rank = [r.scores, torch.stack([v for _, v in trail])]  # on the device, float (cat promotes: exact)
